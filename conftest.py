@@ -1,0 +1,13 @@
+"""Names that doctests in safelens docstrings may use without importing them."""
+
+import pytest
+import torch
+
+import safelens
+
+
+@pytest.fixture(autouse=True)
+def _doctest_namespace(doctest_namespace: dict) -> None:
+    doctest_namespace["torch"] = torch
+    for name in safelens.__all__:
+        doctest_namespace[name] = getattr(safelens, name)

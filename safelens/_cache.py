@@ -1,0 +1,382 @@
+"""All layers' cached keys and values: `KeyValueCache`, a drop-in for TransformerLens.
+
+Pass a `KeyValueCache` as `past_kv_cache=` to `HookedTransformer.forward` and it behaves
+as TransformerLens' own cache, with the same logits, while appending in amortised O(1)
+and offering what counterfactual work needs: [`fork`][safelens.KeyValueCache.fork],
+[`expand`][safelens.KeyValueCache.expand], [`crop`][safelens.KeyValueCache.crop],
+[`select`][safelens.KeyValueCache.select], [`clone`][safelens.KeyValueCache.clone] and
+`with cache.frozen(): …`.
+
+Those five operations never change the cache they are called on: they return a new
+cache. `fork`, `expand` and `crop` share the prefix's storage (copy-on-write: later
+appends on either side stay on that side), so N branches of a P-token prefix hold the
+prefix once. The results start unfrozen, ready to take a continuation; `clone` keeps
+the frozen flag.
+
+Caveat on freezing: a frozen cache stores nothing, so a multi-step continuation run on
+the frozen cache itself forgets each step's tokens (as TransformerLens' frozen cache
+does). Run multi-step continuations on `cache.fork()` instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from jaxtyping import Int
+
+from ._cache_entry import KeyValueCacheEntry
+from ._config import CacheDimensions
+from ._errors import CacheShapeError
+from ._frozen import FrozenFlag
+from ._hook_point import CacheHookPoint
+from ._storage import Sequence
+from ._values import concat_values, shape_of, to_like
+
+__all__ = ["KeyValueCache"]
+
+_HOOK_POINTS = ("hook_k_new", "hook_v_new", "hook_k_full", "hook_v_full")
+
+
+def _held(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() == 2:
+        return Sequence.of(value)
+    return value
+
+
+def _shown(value: Any) -> Any:
+    return value.view() if isinstance(value, Sequence) else value
+
+
+class KeyValueCache:
+    """Per-layer keys and values plus the attention mask seen so far.
+
+    **Arguments:**
+
+    - `entries`: one [`KeyValueCacheEntry`][safelens.KeyValueCacheEntry] per layer, or
+      `None` for a cache whose entries are created on first access (`cache[3]`).
+    - `previous_attention_mask`: `[batch, pos_so_far]` mask of what is cached, or `None`.
+    - `frozen`: start frozen (propagates to every entry).
+
+    ```python
+    >>> cache = KeyValueCache()
+    >>> _ = cache.append(0, keys=[[[1]]], values=[[[2]]])
+    >>> _ = cache.append(0, keys=[[[3]]], values=[[[4]]])
+    >>> cache[0].keys, cache[0].sequence_length
+    ([[[1], [3]]], 2)
+
+    ```
+    """
+
+    def __init__(
+        self,
+        entries: list[KeyValueCacheEntry] | None = None,
+        previous_attention_mask: Int[torch.Tensor, "batch pos_so_far"] | Any = None,
+        frozen: bool = False,
+    ) -> None:
+        self._lazy = entries is None
+        self._entries: dict[int, KeyValueCacheEntry] = {}
+        for layer, entry in enumerate(entries or []):
+            if not isinstance(entry, KeyValueCacheEntry):
+                raise TypeError(
+                    f"entries[{layer}] must be a KeyValueCacheEntry, got {type(entry).__name__}"
+                )
+            entry.set_layer(layer)
+            self._entries[layer] = entry
+        self._mask = _held(previous_attention_mask)
+        self._frozen = False
+        if frozen:
+            self.freeze()
+
+    @classmethod
+    def init_cache(
+        cls,
+        cfg: Any,
+        device: torch.device | str | None = None,
+        batch_size: int = 1,
+    ) -> KeyValueCache:
+        """An empty cache for a model config, as TransformerLens' `init_cache` makes.
+
+        One entry per layer, each `[batch_size, 0, n_kv_heads, d_head]` in the model's
+        dtype, on the device TransformerLens puts that layer on when `cfg.n_devices > 1`,
+        and an empty `[batch_size, 0]` integer attention mask.
+
+        **Arguments:**
+
+        - `cfg`: a `HookedTransformerConfig` or a HuggingFace-style config.
+        - `device`: the first layer's device; defaults to `cfg.device`, else the CPU.
+        - `batch_size`: rows of the cache.
+
+        **Raises:** [`CacheConfigError`][safelens.CacheConfigError] naming a missing
+        config attribute.
+
+        ```python
+        >>> from types import SimpleNamespace
+        >>> cfg = SimpleNamespace(n_layers=2, n_heads=4, d_head=8, dtype="bfloat16")
+        >>> cache = KeyValueCache.init_cache(cfg, "cpu", batch_size=3)
+        >>> cache[1].keys.shape, cache[1].keys.dtype, cache.previous_attention_mask.shape
+        (torch.Size([3, 0, 4, 8]), torch.bfloat16, torch.Size([3, 0]))
+
+        ```
+        """
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        dims = CacheDimensions.of(cfg)
+        if device is None:
+            device = getattr(cfg, "device", None)
+        entries = []
+        for layer in range(dims.n_layers):
+            empty = dims.empty_keys(batch_size, dims.device_of_layer(layer, device))
+            entries.append(KeyValueCacheEntry(empty, torch.empty_like(empty)))
+        mask = torch.empty((batch_size, 0), dtype=torch.int, device=device)
+        return cls(entries, mask)
+
+    # -- entries ----------------------------------------------------------------------
+
+    @property
+    def entries(self) -> list[KeyValueCacheEntry]:
+        """The entries, in layer order."""
+        return [self._entries[layer] for layer in sorted(self._entries)]
+
+    def __getitem__(self, layer: int) -> KeyValueCacheEntry:
+        """Layer `layer`'s entry; a lazy cache creates it (inheriting the frozen flag)."""
+        if not isinstance(layer, int):
+            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
+        if not self._lazy:
+            count = len(self._entries)
+            if not -count <= layer < count:
+                raise IndexError(f"layer {layer} is out of range for a cache of {count} layers")
+            return self._entries[layer % count]
+        if layer < 0:
+            raise IndexError(f"layer must be >= 0 in a lazily filled cache, got {layer}")
+        if layer not in self._entries:
+            self._entries[layer] = KeyValueCacheEntry(frozen=self._frozen, layer=layer)
+        return self._entries[layer]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[KeyValueCacheEntry]:
+        return iter(self.entries)
+
+    def append(self, layer: int, keys: Any, values: Any, dim: int = 1) -> tuple[Any, Any]:
+        """Append to layer `layer` (see [`KeyValueCacheEntry.append`][safelens.KeyValueCacheEntry.append])."""
+        return self[layer].append(keys, values, dim=dim)
+
+    @property
+    def sequence_length(self) -> int:
+        """Positions cached (of the first layer; the mask's when there are no entries)."""
+        if self._entries:
+            return self.entries[0].sequence_length
+        shape = shape_of(self.previous_attention_mask)
+        return shape[-1] if shape else 0
+
+    @property
+    def batch_size(self) -> int:
+        """Rows of the cache (0 when nothing tells)."""
+        for value in [e.keys for e in self.entries] + [self.previous_attention_mask]:
+            shape = shape_of(value)
+            if shape:
+                return shape[0]
+        return 0
+
+    # -- attention mask ---------------------------------------------------------------
+
+    @property
+    def previous_attention_mask(self) -> Any:
+        """The `[batch, pos_so_far]` attention mask of what is cached."""
+        return _shown(self._mask)
+
+    @previous_attention_mask.setter
+    def previous_attention_mask(self, mask: Any) -> None:
+        self._mask = _held(mask)
+
+    def append_attention_mask(
+        self, attention_mask: Int[torch.Tensor, "batch new_tokens"] | Any
+    ) -> Any:
+        """Append `attention_mask` along its last axis; return the full mask.
+
+        Stores it unless frozen. With no previous mask it starts from an empty one of the
+        same kind. The new mask takes the kind, dtype and device of the stored one.
+
+        **Raises:** [`CacheShapeError`][safelens.CacheShapeError] when its batch size
+        differs from the cached mask's; the cache is then unchanged.
+        """
+        if not isinstance(self._mask, Sequence):
+            full = concat_values(self.previous_attention_mask, attention_mask, dim=-1)
+            if not self._frozen:
+                self.previous_attention_mask = full
+            return full
+        held = self._mask.template
+        new = to_like(attention_mask, held)
+        if new.dim() != 2 or new.shape[0] != held.shape[0]:
+            raise CacheShapeError(
+                f"attention_mask of shape {tuple(new.shape)} does not fit the cached mask "
+                f"[batch={held.shape[0]}, pos_so_far={self._mask.length}]; expected "
+                f"[batch={held.shape[0]}, new_tokens]"
+            )
+        return self._mask.joined(new) if self._frozen else self._mask.append_(new)
+
+    # -- freezing ---------------------------------------------------------------------
+
+    @property
+    def frozen(self) -> FrozenFlag:
+        """Whether forward passes store; `with cache.frozen(): …` freezes for a block.
+
+        ```python
+        >>> cache = KeyValueCache()
+        >>> with cache.frozen():
+        ...     bool(cache.frozen)
+        True
+        >>> bool(cache.frozen)
+        False
+
+        ```
+        """
+        return FrozenFlag(self, self._frozen)
+
+    @frozen.setter
+    def frozen(self, value: bool) -> None:
+        self.freeze() if value else self.unfreeze()
+
+    def freeze(self) -> None:
+        """Freeze the cache and every entry: appends return the full tensors, store nothing."""
+        self._frozen = True
+        for entry in self._entries.values():
+            entry.freeze()
+
+    def unfreeze(self) -> None:
+        """Unfreeze the cache and every entry."""
+        self._frozen = False
+        for entry in self._entries.values():
+            entry.unfreeze()
+
+    # -- branching --------------------------------------------------------------------
+
+    def _derived(self, op: Callable[[Sequence], Sequence], name: str) -> KeyValueCache:
+        entries = {layer: e.derived(op, name) for layer, e in self._entries.items()}
+        result = KeyValueCache()
+        result._lazy = self._lazy
+        result._entries = entries
+        result._mask = op(self._mask) if isinstance(self._mask, Sequence) else self._mask
+        return result
+
+    def fork(self) -> KeyValueCache:
+        """A branch that shares everything cached so far and takes its own appends.
+
+        Copy-on-write both ways: the branch's appends never reach this cache (or other
+        branches), and this cache's later appends never reach the branch. The branch is
+        unfrozen, so forking a frozen prefix is how to run a multi-step continuation.
+
+        ```python
+        >>> prefix = KeyValueCache([KeyValueCacheEntry(torch.zeros(1, 5, 2, 4), torch.zeros(1, 5, 2, 4))])
+        >>> branch = prefix.fork()
+        >>> _ = branch.append(0, torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4))
+        >>> branch.sequence_length, prefix.sequence_length
+        (6, 5)
+
+        ```
+        """
+        return self._derived(Sequence.fork, "fork")
+
+    def expand(self, n: int) -> KeyValueCache:
+        """This batch-1 cache broadcast to `n` rows, without copying it.
+
+        The rows share this cache's storage; appends to the result go to storage of its
+        own, one row each. The attention mask is expanded too.
+
+        **Raises:** [`CacheShapeError`][safelens.CacheShapeError] when the batch is not 1.
+
+        ```python
+        >>> prefix = KeyValueCache([KeyValueCacheEntry(torch.zeros(1, 5, 2, 4), torch.zeros(1, 5, 2, 4))])
+        >>> prefix.expand(32)[0].keys.shape
+        torch.Size([32, 5, 2, 4])
+
+        ```
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be a positive int, got {n!r}")
+        if self.batch_size != 1:
+            raise CacheShapeError(
+                f"expand(n) needs a batch-1 cache; this cache has batch {self.batch_size}. "
+                "Use select([row]) first to pick one row"
+            )
+        return self._derived(lambda seq: seq.expand(n), "expand")
+
+    def crop(self, length: int) -> KeyValueCache:
+        """The first `length` positions (negative: all but the last `-length`).
+
+        Shares storage with this cache, which is unchanged.
+
+        ```python
+        >>> cache = KeyValueCache([KeyValueCacheEntry(torch.zeros(1, 5, 2, 4), torch.zeros(1, 5, 2, 4))])
+        >>> cache.crop(3).sequence_length, cache.crop(-1).sequence_length
+        (3, 4)
+
+        ```
+        """
+        total = self.sequence_length
+        if isinstance(length, bool) or not isinstance(length, int):
+            raise TypeError(f"length must be an int, got {type(length).__name__}")
+        kept = total + length if length < 0 else length
+        if not 0 <= kept <= total:
+            raise ValueError(
+                f"length must be in [-{total}, {total}] for a cache of {total} positions, "
+                f"got {length}"
+            )
+        return self._derived(lambda seq: seq.crop(kept), "crop")
+
+    def select(self, rows: int | slice | list[int] | torch.Tensor) -> KeyValueCache:
+        """The batch rows `rows` (any index torch accepts), in storage of their own.
+
+        ```python
+        >>> cache = KeyValueCache([KeyValueCacheEntry(torch.zeros(4, 5, 2, 4), torch.zeros(4, 5, 2, 4))])
+        >>> cache.select([0, 2])[0].keys.shape, cache.select(-1).batch_size
+        (torch.Size([2, 5, 2, 4]), 1)
+
+        ```
+        """
+        batch = self.batch_size
+        try:
+            index = torch.arange(batch)[rows].reshape(-1)
+        except (IndexError, TypeError, RuntimeError) as error:
+            raise IndexError(
+                f"rows {rows!r} do not index a batch of {batch} rows: {error}"
+            ) from None
+        if index.numel() == 0:
+            raise IndexError(f"rows {rows!r} select no row of a batch of {batch}")
+        return self._derived(lambda seq: seq.select(index), "select")
+
+    def clone(self) -> KeyValueCache:
+        """An independent deep copy (same frozen flag), sharing no storage."""
+        result = self._derived(Sequence.clone, "clone")
+        if self._frozen:
+            result.freeze()
+        return result
+
+    def storages(self) -> set[int]:
+        """Data pointers of all storage this cache reads, to check sharing."""
+        return {ptr for entry in self.entries for ptr in entry.storages()}
+
+    # -- hook points ------------------------------------------------------------------
+
+    def hook_points(self) -> dict[str, CacheHookPoint]:
+        """Every hook point of every entry, by full name (`blocks.{l}.kv_cache.…`)."""
+        return {
+            point.name: point
+            for entry in self.entries
+            for point in (getattr(entry, name) for name in _HOOK_POINTS)
+        }
+
+    # -- views ------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[int, dict[str, Any]]:
+        """`{layer: {"keys", "values", "sequence_length"}}`, a serialisable view."""
+        return {layer: self._entries[layer].to_dict() for layer in sorted(self._entries)}
+
+    def __repr__(self) -> str:
+        return (
+            f"KeyValueCache(layers={len(self)}, batch={self.batch_size}, "
+            f"sequence_length={self.sequence_length}, frozen={self._frozen})"
+        )

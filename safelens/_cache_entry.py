@@ -1,0 +1,321 @@
+"""One layer's cached keys and values: `KeyValueCacheEntry`.
+
+An entry holds keys and values of shape `[batch, pos_so_far, n_kv_heads, d_head]`
+(TransformerLens' layout: position-major, keys before any rotary embedding) or, for
+adapters, numpy arrays or nested lists. Tensors appended along `pos` go into a growing
+buffer (see `safelens._storage`), so a one-token append does not copy the cache.
+
+Frozen semantics: while frozen, [`append`][safelens.KeyValueCacheEntry.append] still
+returns the full keys and values, but nothing stored changes, bitwise.
+
+Each entry carries four hook points (see the hook-name table in the docs):
+`hook_k_new`/`hook_v_new` see the new keys/values before they are stored;
+`hook_k_full`/`hook_v_full` see the keys/values handed back to attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from jaxtyping import Float
+
+from ._errors import CacheShapeError
+from ._frozen import FrozenFlag
+from ._hook_point import CacheHookPoint
+from ._storage import Sequence
+from ._values import concat_values, shape_of
+
+__all__ = ["KeyValueCacheEntry"]
+
+_LAYOUT = ("batch", "pos", "n_heads", "d_head")
+_POS = 1
+
+
+def _hold(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() >= 2:
+        return Sequence.of(value)
+    return value
+
+
+def _shown(value: Any) -> Any:
+    return value.view() if isinstance(value, Sequence) else value
+
+
+def _one_of(name: str, value: Any, alias: str, alias_value: Any) -> Any:
+    if value is not None and alias_value is not None:
+        raise TypeError(f"pass {name}= or {alias}=, not both")
+    return value if value is not None else alias_value
+
+
+def hook_name(layer: int | None, point: str) -> str:
+    """The full name of hook point `point` of layer `layer`."""
+    return f"kv_cache.{point}" if layer is None else f"blocks.{layer}.kv_cache.{point}"
+
+
+class KeyValueCacheEntry:
+    """Cached keys and values of one layer; a drop-in for TransformerLens' entry.
+
+    **Arguments:**
+
+    - `keys` (or `past_keys`): `[batch, pos_so_far, n_kv_heads, d_head]` tensor, numpy
+      array, nested list, or `None` for an entry that starts empty.
+    - `values` (or `past_values`): likewise.
+    - `frozen`: start frozen.
+    - `layer`: the layer index, used in hook names and error messages.
+
+    ```python
+    >>> entry = KeyValueCacheEntry(torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2, 4))
+    >>> keys, values = entry.append(torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4))
+    >>> keys.shape, entry.sequence_length
+    (torch.Size([1, 4, 2, 4]), 4)
+
+    ```
+    """
+
+    def __init__(
+        self,
+        keys: Any = None,
+        values: Any = None,
+        frozen: bool = False,
+        *,
+        past_keys: Any = None,
+        past_values: Any = None,
+        layer: int | None = None,
+    ) -> None:
+        self._keys = _hold(_one_of("keys", keys, "past_keys", past_keys))
+        self._values = _hold(_one_of("values", values, "past_values", past_values))
+        self._frozen = bool(frozen)
+        self.set_layer(layer)
+
+    def set_layer(self, layer: int | None) -> None:
+        """Name this entry layer `layer` (renames its hook points, keeps their hooks)."""
+        self.layer = layer
+        for point in ("hook_k_new", "hook_v_new", "hook_k_full", "hook_v_full"):
+            existing = self.__dict__.get(point)
+            if existing is None:
+                setattr(self, point, CacheHookPoint(hook_name(layer, point)))
+            else:
+                existing.name = hook_name(layer, point)
+
+    @classmethod
+    def init_cache_entry(
+        cls,
+        cfg: Any,
+        device: torch.device | str | None,
+        batch_size: int = 1,
+        layer: int | None = None,
+    ) -> KeyValueCacheEntry:
+        """An empty `[batch_size, 0, n_kv_heads, d_head]` entry for a model config."""
+        from ._config import CacheDimensions
+
+        dims = CacheDimensions.of(cfg)
+        empty = dims.empty_keys(batch_size, device)
+        return cls(empty, torch.empty_like(empty), layer=layer)
+
+    # -- stored state -----------------------------------------------------------------
+
+    @property
+    def keys(self) -> Any:
+        """The cached keys, exactly the filled part (`[batch, pos_so_far, …]`)."""
+        return _shown(self._keys)
+
+    @keys.setter
+    def keys(self, value: Any) -> None:
+        self._keys = _hold(value)
+
+    @property
+    def values(self) -> Any:
+        """The cached values, exactly the filled part."""
+        return _shown(self._values)
+
+    @values.setter
+    def values(self, value: Any) -> None:
+        self._values = _hold(value)
+
+    past_keys = keys
+    past_values = values
+
+    @property
+    def sequence_length(self) -> int:
+        """Size of axis 1 of the cached keys; 0 when no shape can be inferred."""
+        if isinstance(self._keys, Sequence):
+            return self._keys.length
+        shape = shape_of(self._keys)
+        return shape[_POS] if shape is not None and len(shape) > _POS else 0
+
+    @property
+    def frozen(self) -> FrozenFlag:
+        """Whether appends store; `with entry.frozen(): …` freezes for a block."""
+        return FrozenFlag(self, self._frozen)
+
+    @frozen.setter
+    def frozen(self, value: bool) -> None:
+        self._frozen = bool(value)
+
+    def freeze(self) -> None:
+        """Stop storing: later appends return the concatenation but change nothing."""
+        self._frozen = True
+
+    def unfreeze(self) -> None:
+        """Store appends again."""
+        self._frozen = False
+
+    # -- appending --------------------------------------------------------------------
+
+    def _where(self) -> str:
+        return "entry" if self.layer is None else f"layer {self.layer}"
+
+    def _fit(self, name: str, new: Any, held: Sequence) -> torch.Tensor:
+        """`new` as a tensor like `held`'s, or a `CacheShapeError` saying why not."""
+        like = held.template
+        if isinstance(new, torch.Tensor):
+            if like.is_floating_point() and not new.is_floating_point():
+                raise CacheShapeError(
+                    f"{self._where()}: {name} have dtype {new.dtype}; expected a floating "
+                    f"dtype (the cache holds {like.dtype})"
+                )
+            try:
+                new = new.to(device=like.device, dtype=like.dtype)
+            except RuntimeError as error:
+                raise CacheShapeError(
+                    f"{self._where()}: {name} on {new.device} cannot be moved to the "
+                    f"cache's device {like.device}: {error}"
+                ) from None
+        else:
+            try:
+                new = torch.as_tensor(new, dtype=like.dtype, device=like.device)
+            except (TypeError, ValueError, RuntimeError) as error:
+                raise CacheShapeError(
+                    f"{self._where()}: {name} of type {type(new).__name__} cannot be "
+                    f"converted to a {like.dtype} tensor: {error}"
+                ) from None
+        expected = list(like.shape)
+        got = list(new.shape)
+        if len(got) == len(expected) and all(
+            i == _POS or a == b for i, (a, b) in enumerate(zip(got, expected))
+        ):
+            return new
+        names = _LAYOUT if len(expected) == len(_LAYOUT) else None
+        wanted = ", ".join(
+            f"{names[i] if names else f'axis{i}'}={'any' if i == _POS else size}"
+            for i, size in enumerate(expected)
+        )
+        message = (
+            f"{self._where()}: {name} of shape {tuple(got)} do not fit the cache; "
+            f"expected [{wanted}]"
+        )
+        if (
+            names
+            and len(got) == 4
+            and got[0] == expected[0]
+            and got[1] == expected[2]
+            and got[3] == expected[3]
+        ):
+            message += (
+                ". This looks like head-major [batch, heads, pos, d_head] layout; "
+                f"pass {name}.transpose(1, 2)"
+            )
+        raise CacheShapeError(message)
+
+    def append(
+        self,
+        keys: Float[torch.Tensor, "batch new_tokens n_heads d_head"] | Any,
+        values: Float[torch.Tensor, "batch new_tokens n_heads d_head"] | Any,
+        dim: int = 1,
+    ) -> tuple[Any, Any]:
+        """Append `keys` and `values` along `dim`; return the full keys and values.
+
+        Stores the new keys/values unless the entry is frozen; either way it returns
+        old + new. Inputs of another kind, dtype or device are converted to those of
+        what is cached. Hook points fire in this order: `hook_k_new`, `hook_v_new` on
+        the new tensors (their results are what is stored), then `hook_k_full`,
+        `hook_v_full` on the full tensors returned (never stored).
+
+        **Arguments:**
+
+        - `keys`, `values`: `[batch, new_tokens, n_kv_heads, d_head]` (or any value
+          [`concat_values`][safelens.concat_values] joins with what is cached).
+        - `dim`: the axis to append along; negative counts from the end.
+
+        **Returns:** `(full_keys, full_values)`.
+
+        **Raises:** [`CacheShapeError`][safelens.CacheShapeError] naming the layer, the
+        expected sizes and what arrived; the entry is then unchanged.
+        """
+        if not (
+            isinstance(self._keys, Sequence)
+            and isinstance(self._values, Sequence)
+            and dim in (_POS, _POS - self._keys.template.dim())
+        ):
+            return self._append_plain(keys, values, dim)
+        new_keys = self._fit("keys", keys, self._keys)
+        new_values = self._fit("values", values, self._values)
+        if self.hook_k_new.fwd_hooks:
+            new_keys = self.hook_k_new(new_keys)
+        if self.hook_v_new.fwd_hooks:
+            new_values = self.hook_v_new(new_values)
+        if self._frozen:
+            full_keys = self._keys.joined(new_keys)
+            full_values = self._values.joined(new_values)
+            return self._read_hooks(full_keys, full_values)
+        before = (self._keys.snapshot(), self._values.snapshot())
+        full_keys = self._keys.append_(new_keys)
+        full_values = self._values.append_(new_values)
+        try:
+            return self._read_hooks(full_keys, full_values)
+        except BaseException:
+            self._keys.restore(before[0])
+            self._values.restore(before[1])
+            raise
+
+    def _read_hooks(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[Any, Any]:
+        if self.hook_k_full.fwd_hooks:
+            keys = self.hook_k_full(keys)
+        if self.hook_v_full.fwd_hooks:
+            values = self.hook_v_full(values)
+        return keys, values
+
+    def _append_plain(self, keys: Any, values: Any, dim: int) -> tuple[Any, Any]:
+        try:
+            full_keys = concat_values(self.keys, keys, dim=dim)
+            full_values = concat_values(self.values, values, dim=dim)
+        except CacheShapeError as error:
+            raise CacheShapeError(f"{self._where()}: {error}") from None
+        if not self._frozen:
+            self.keys, self.values = full_keys, full_values
+        return full_keys, full_values
+
+    def derived(self, op: Callable[[Sequence], Sequence], name: str) -> KeyValueCacheEntry:
+        """A new unfrozen entry whose keys and values are `op` of this entry's storage."""
+        if not (isinstance(self._keys, Sequence) and isinstance(self._values, Sequence)):
+            raise CacheShapeError(
+                f"{name} needs tensor keys and values of rank >= 2; {self._where()} "
+                f"holds {type(self.keys).__name__}"
+            )
+        entry = KeyValueCacheEntry(layer=self.layer)
+        entry._keys, entry._values = op(self._keys), op(self._values)
+        return entry
+
+    def storages(self) -> list[int]:
+        """Data pointers of the storage this entry's keys and values read."""
+        if not (isinstance(self._keys, Sequence) and isinstance(self._values, Sequence)):
+            return []
+        return self._keys.storages() + self._values.storages()
+
+    # -- views ------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """`{"keys", "values", "sequence_length"}` of this entry."""
+        return {
+            "keys": self.keys,
+            "values": self.values,
+            "sequence_length": self.sequence_length,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"KeyValueCacheEntry(layer={self.layer}, shape={shape_of(self.keys)}, "
+            f"frozen={self._frozen})"
+        )

@@ -1,0 +1,144 @@
+"""Growing, shareable storage for one cached tensor (keys, values or attention mask).
+
+A `Sequence` holds a tensor that grows along axis 1 (`pos`). It is made of read-only
+shared *segments* (a prefix it branched from) followed by its own *buffer*, which has
+spare capacity so that appending a token writes in place: amortised O(1) per token
+instead of TransformerLens' copy of the whole cache per token.
+
+Sharing is copy-on-write. Many sequences may point at one buffer, but only the one whose
+end is the buffer's high-water mark (`filled`) may write past it; any other sequence that
+appends starts a buffer of its own and keeps the shared part as a segment. So a tensor
+handed out by [`view`][] is never overwritten later, a branch never sees its parent's
+later tokens, and the parent never sees the branch's.
+
+Caveat: the spare capacity costs up to 2x the filled memory while a sequence grows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["Sequence"]
+
+_MIN_CAPACITY = 16
+_POS = 1
+
+
+def _nonempty(pieces: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(p for p in pieces if p.shape[_POS])
+
+
+class _Buffer:
+    """A tensor with spare room along `pos`; `filled` is how far anyone has written."""
+
+    __slots__ = ("data", "filled")
+
+    def __init__(self, data: torch.Tensor, filled: int) -> None:
+        self.data = data
+        self.filled = filled
+
+
+class Sequence:
+    """A tensor `[batch, pos, ...]` that grows along `pos`, sharing storage on branch."""
+
+    __slots__ = ("_segments", "_buffer", "_used")
+
+    def __init__(self, segments: tuple[torch.Tensor, ...], buffer: _Buffer, used: int) -> None:
+        self._segments = segments
+        self._buffer = buffer
+        self._used = used
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> Sequence:
+        """A sequence holding `tensor` in a buffer of its own (no copy is made)."""
+        return cls((), _Buffer(tensor, tensor.shape[_POS]), tensor.shape[_POS])
+
+    def _own(self) -> torch.Tensor:
+        return self._buffer.data.narrow(_POS, 0, self._used)
+
+    def pieces(self) -> tuple[torch.Tensor, ...]:
+        """The tensors that, joined along `pos`, make up this sequence."""
+        if self._used or not self._segments:
+            return self._segments + (self._own(),)
+        return self._segments
+
+    def view(self) -> torch.Tensor:
+        """The filled part: a view when stored in one piece, else a fresh join."""
+        pieces = self.pieces()
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=_POS)
+
+    @property
+    def length(self) -> int:
+        return sum(s.shape[_POS] for s in self._segments) + self._used
+
+    @property
+    def template(self) -> torch.Tensor:
+        """A tensor with this sequence's batch, trailing sizes, dtype and device."""
+        return self._buffer.data
+
+    def joined(self, new: torch.Tensor) -> torch.Tensor:
+        """This sequence followed by `new`, without storing anything."""
+        return torch.cat(self.pieces() + (new,), dim=_POS)
+
+    def append_(self, new: torch.Tensor) -> torch.Tensor:
+        """Store `new` after the filled part (in place when possible); return the whole."""
+        count = new.shape[_POS]
+        buffer = self._buffer
+        end = self._used + count
+        if self._used == buffer.filled and end <= buffer.data.shape[_POS]:
+            buffer.data.narrow(_POS, self._used, count).copy_(new)
+        else:
+            shape = list(new.shape)
+            shape[_POS] = max(2 * end, _MIN_CAPACITY)
+            data = new.new_empty(shape)
+            data.narrow(_POS, 0, self._used).copy_(self._own())
+            data.narrow(_POS, self._used, count).copy_(new)
+            buffer = self._buffer = _Buffer(data, 0)
+        buffer.filled = self._used = end
+        return self.view()
+
+    def snapshot(self) -> tuple[object, ...]:
+        """What [`restore`][] needs to undo later appends."""
+        return (self._segments, self._buffer, self._buffer.filled, self._used)
+
+    def restore(self, state: tuple[object, ...]) -> None:
+        """Undo every append since `state` was taken."""
+        self._segments, self._buffer, filled, self._used = state  # type: ignore[assignment]
+        self._buffer.filled = filled  # type: ignore[assignment]
+
+    def fork(self) -> Sequence:
+        """A branch sharing everything filled so far, with an empty buffer of its own."""
+        own = self._buffer.data.narrow(_POS, 0, 0)
+        return Sequence(_nonempty(self.pieces()), _Buffer(own, 0), 0)
+
+    def expand(self, rows: int) -> Sequence:
+        """Broadcast a batch-1 sequence to `rows` rows without copying it."""
+        pieces = tuple(p.expand(rows, *p.shape[1:]) for p in self.pieces())
+        return Sequence(_nonempty(pieces), _Buffer(pieces[0].narrow(_POS, 0, 0), 0), 0)
+
+    def crop(self, length: int) -> Sequence:
+        """The first `length` positions, sharing storage with this sequence."""
+        kept: list[torch.Tensor] = []
+        left = length
+        for piece in self.pieces():
+            if left <= 0:
+                break
+            take = min(left, piece.shape[_POS])
+            kept.append(piece.narrow(_POS, 0, take))
+            left -= take
+        if not kept:
+            return Sequence((), _Buffer(self._buffer.data.narrow(_POS, 0, 0), 0), 0)
+        return Sequence(tuple(kept), _Buffer(kept[-1].narrow(_POS, 0, 0), 0), 0)
+
+    def select(self, rows: torch.Tensor) -> Sequence:
+        """Batch rows `rows` (a 1-D index tensor), in storage of their own."""
+        view = self.view()
+        return Sequence.of(view.index_select(0, rows.to(view.device)))
+
+    def clone(self) -> Sequence:
+        """An independent deep copy in one buffer."""
+        return Sequence.of(self.view().clone())
+
+    def storages(self) -> list[int]:
+        """Data pointers of the storage this sequence reads, for sharing checks."""
+        return [p.untyped_storage().data_ptr() for p in self.pieces()]
