@@ -74,6 +74,11 @@ class KeyValueCacheEntry:
     ```
     """
 
+    hook_k_new: CacheHookPoint
+    hook_v_new: CacheHookPoint
+    hook_k_full: CacheHookPoint
+    hook_v_full: CacheHookPoint
+
     def __init__(
         self,
         keys: Any = None,
@@ -194,7 +199,7 @@ class KeyValueCacheEntry:
         expected = list(like.shape)
         got = list(new.shape)
         if len(got) == len(expected) and all(
-            i == _POS or a == b for i, (a, b) in enumerate(zip(got, expected))
+            i == _POS or a == b for i, (a, b) in enumerate(zip(got, expected, strict=True))
         ):
             return new
         names = _LAYOUT if len(expected) == len(_LAYOUT) else None

@@ -73,7 +73,7 @@ def _concat_lists(old: list, new: list, dim: int) -> list:
         raise CacheShapeError(
             f"cannot concatenate nested lists: {len(old)} rows cached, {len(new)} arriving"
         )
-    return [_concat_lists(a, b, dim - 1) for a, b in zip(old, new)]
+    return [_concat_lists(a, b, dim - 1) for a, b in zip(old, new, strict=True)]
 
 
 def concat_values(old: Any, new: Any, dim: int = 1) -> Any:
