@@ -1,0 +1,1 @@
+"""safelens' benchmark suite: safelens and the TransformerLens way, side by side."""
