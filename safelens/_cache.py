@@ -21,6 +21,7 @@ does). Run multi-step continuations on `cache.fork()` instead.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from os import PathLike
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from ._config import CacheDimensions
 from ._errors import CacheShapeError
 from ._frozen import FrozenFlag
 from ._hook_point import CacheHookPoint
+from ._persistence import Devices, check_fits, load_cache, save_cache
 from ._storage import Sequence
 from ._values import concat_values, shape_of, to_like
 
@@ -358,6 +360,91 @@ class KeyValueCache:
     def storages(self) -> set[int]:
         """Data pointers of all storage this cache reads, to check sharing."""
         return {ptr for entry in self.entries for ptr in entry.storages()}
+
+    # -- persistence ------------------------------------------------------------------
+
+    def save(self, path: str | PathLike[str]) -> None:
+        """Write this cache to a safetensors file at `path`; the cache is unchanged.
+
+        The file holds every layer's keys and values, the attention mask if any, and
+        metadata: format marker and version, `n_layers`, `n_kv_heads`, `d_head`, dtype,
+        sequence length, batch size, the frozen flag, each layer's device and
+        checksums. Frozen caches save as any other. Branches save their materialised
+        keys and values: an `expand(n)` result is written with all `n` rows.
+
+        **Arguments:**
+
+        - `path`: where to write (an existing file is replaced).
+
+        **Raises:** [`CacheShapeError`][safelens.CacheShapeError] when the cache holds
+        no layer, a missing layer, non-tensor values, or layers of differing shape.
+
+        ```python
+        >>> import tempfile, pathlib
+        >>> cache = KeyValueCache([KeyValueCacheEntry(torch.ones(1, 5, 2, 4), torch.ones(1, 5, 2, 4))])
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "prefix.safetensors"
+        >>> cache.save(path)
+        >>> KeyValueCache.load(path)[0].keys.shape
+        torch.Size([1, 5, 2, 4])
+
+        ```
+        """
+        save_cache(self, path)
+
+    @classmethod
+    def load(cls, path: str | PathLike[str], device: Devices | None = None) -> KeyValueCache:
+        """Read a cache written by [`save`][safelens.KeyValueCache.save]; runs no code.
+
+        The loaded cache has fixed entries, one per saved layer, and the frozen flag it
+        was saved with. Keys, values, mask and dtype are bitwise as saved.
+
+        **Arguments:**
+
+        - `path`: a file written by `save`.
+        - `device`: `None` for each layer's saved device; one device for every layer;
+          or a per-layer list (or `{layer: device}` mapping naming every layer). The
+          attention mask goes to layer 0's device, as TransformerLens puts it.
+
+        **Raises:** [`CacheFileError`][safelens.CacheFileError] for a truncated,
+        corrupt or foreign file (no safelens marker, a pickle, random bytes) or an
+        unknown format version; `FileNotFoundError` when there is no file.
+
+        ```python
+        >>> import tempfile, pathlib
+        >>> entries = [KeyValueCacheEntry(torch.ones(1, 5, 2, 4), torch.ones(1, 5, 2, 4)) for _ in range(2)]
+        >>> cache = KeyValueCache(entries)
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "prefix.safetensors"
+        >>> cache.save(path)
+        >>> loaded = KeyValueCache.load(path, device=["cpu", "cpu"])
+        >>> len(loaded), loaded.sequence_length, loaded[1].keys.device
+        (2, 5, device(type='cpu'))
+
+        ```
+        """
+        return load_cache(cls, path, device)
+
+    def check_fits(self, cfg: Any) -> None:
+        """Check this cache fits model config `cfg`: layers, KV heads, `d_head`, dtype.
+
+        **Arguments:**
+
+        - `cfg`: a `HookedTransformerConfig` or a HuggingFace-style config.
+
+        **Raises:** [`CacheConfigError`][safelens.CacheConfigError] listing every
+        mismatch, expected (the config's) against found (the cache's).
+
+        ```python
+        >>> from types import SimpleNamespace
+        >>> cache = KeyValueCache.init_cache(SimpleNamespace(n_layers=2, n_heads=4, d_head=8))
+        >>> cache.check_fits(SimpleNamespace(n_layers=2, n_heads=4, d_head=8))
+        >>> cache.check_fits(SimpleNamespace(n_layers=2, n_heads=4, d_head=16))
+        Traceback (most recent call last):
+        ...
+        safelens._errors.CacheConfigError: the cache does not fit the model config: d_head: cfg expects 16, cache has 8 (layers [0, 1]). ...
+
+        ```
+        """
+        check_fits(self, cfg)
 
     # -- hook points ------------------------------------------------------------------
 
