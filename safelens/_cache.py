@@ -340,6 +340,8 @@ class KeyValueCache:
         ```
         """
         batch = self.batch_size
+        if isinstance(rows, bool):
+            raise TypeError(f"rows must be an int, slice, list or tensor, not the bool {rows!r}")
         try:
             index = torch.arange(batch)[rows].reshape(-1)
         except (IndexError, TypeError, RuntimeError) as error:
