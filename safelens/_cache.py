@@ -211,7 +211,13 @@ class KeyValueCache:
                 self.previous_attention_mask = full
             return full
         held = self._mask.template
-        new = to_like(attention_mask, held)
+        try:
+            new = to_like(attention_mask, held)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise CacheShapeError(
+                f"attention_mask of type {type(attention_mask).__name__} cannot be converted "
+                f"to a {held.dtype} tensor like the cached mask: {error}"
+            ) from None
         if new.dim() != 2 or new.shape[0] != held.shape[0]:
             raise CacheShapeError(
                 f"attention_mask of shape {tuple(new.shape)} does not fit the cached mask "
