@@ -9,9 +9,26 @@ from ._errors import (
     CacheShapeError,
     FrozenCacheError,
     HookError,
+    PatchingError,
     SafelensError,
 )
 from ._hook_point import CacheHookPoint
+from ._metrics import logit_diff_metric
+from ._patching import (
+    generic_activation_patch,
+    get_act_patch_attn_head_k_all_pos,
+    get_act_patch_attn_head_k_by_pos,
+    get_act_patch_attn_head_out_all_pos,
+    get_act_patch_attn_head_out_by_pos,
+    get_act_patch_attn_head_q_all_pos,
+    get_act_patch_attn_head_q_by_pos,
+    get_act_patch_attn_head_v_all_pos,
+    get_act_patch_attn_head_v_by_pos,
+    get_act_patch_attn_out,
+    get_act_patch_mlp_out,
+    get_act_patch_resid_pre,
+)
+from ._plotting import plot_patching_heatmap
 from ._values import concat_values, shape_of
 
 TransformerLensKeyValueCache = KeyValueCache
@@ -20,6 +37,21 @@ HookedTransformerKeyValueCache = KeyValueCache
 HookedTransformerKeyValueCacheEntry = KeyValueCacheEntry
 
 __all__ = [
+    "generic_activation_patch",
+    "get_act_patch_resid_pre",
+    "get_act_patch_attn_out",
+    "get_act_patch_mlp_out",
+    "get_act_patch_attn_head_out_by_pos",
+    "get_act_patch_attn_head_q_by_pos",
+    "get_act_patch_attn_head_k_by_pos",
+    "get_act_patch_attn_head_v_by_pos",
+    "get_act_patch_attn_head_out_all_pos",
+    "get_act_patch_attn_head_q_all_pos",
+    "get_act_patch_attn_head_k_all_pos",
+    "get_act_patch_attn_head_v_all_pos",
+    "logit_diff_metric",
+    "plot_patching_heatmap",
+    "PatchingError",
     "KeyValueCache",
     "KeyValueCacheEntry",
     "TransformerLensKeyValueCache",

@@ -15,6 +15,7 @@ __all__ = [
     "CacheFileError",
     "HookError",
     "FrozenCacheError",
+    "PatchingError",
 ]
 
 
@@ -40,3 +41,7 @@ class HookError(SafelensError, ValueError):
 
 class FrozenCacheError(SafelensError, RuntimeError):
     """An operation that must store into the cache was asked of a frozen cache."""
+
+
+class PatchingError(SafelensError, ValueError):
+    """A patching sweep got a metric, grid or activation it cannot use."""

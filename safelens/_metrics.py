@@ -1,0 +1,91 @@
+"""Batched patching metrics: logits of many patched runs in, one value per run out.
+
+A batched metric takes logits `[runs * batch, pos, d_vocab]`, where rows
+`r * batch … (r + 1) * batch - 1` are patched run `r` of a `batch`-prompt corrupted
+input, and returns `[runs]`. The sweeps call it once per forward pass, which is what
+makes them fast; a TransformerLens-style metric (one run's logits to a scalar) is
+called once per run instead. With `batch == 1` a batched metric is also a valid
+TransformerLens metric: it returns one value for one run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from jaxtyping import Float, Int
+
+from ._errors import PatchingError
+
+__all__ = ["logit_diff_metric"]
+
+
+def _answers(value: int | torch.Tensor, batch: int, name: str) -> torch.Tensor:
+    tokens = torch.as_tensor(value).reshape(-1)
+    if tokens.is_floating_point() or tokens.numel() not in (1, batch):
+        raise PatchingError(
+            f"{name} must be an int or an integer tensor [batch={batch}], got "
+            f"{tokens.dtype} of shape {tuple(torch.as_tensor(value).shape)}"
+        )
+    return tokens.expand(batch)
+
+
+def logit_diff_metric(
+    clean_logits: Float[torch.Tensor, "batch pos d_vocab"],
+    corrupted_logits: Float[torch.Tensor, "batch pos d_vocab"],
+    answer_token: int | Int[torch.Tensor, " batch"],
+    wrong_token: int | Int[torch.Tensor, " batch"],
+) -> Callable[[Float[torch.Tensor, "rows pos d_vocab"]], Float[torch.Tensor, " runs"]]:
+    """The normalised logit difference: 1 on the clean run, 0 on the corrupted run.
+
+    For each run, the final-position logit of `answer_token` minus that of
+    `wrong_token`, averaged over the batch, then mapped linearly so that the clean
+    run's difference is 1 and the corrupted run's is 0.
+
+    **Arguments:**
+
+    - `clean_logits`, `corrupted_logits`: `[batch, pos, d_vocab]` of the two runs.
+    - `answer_token`, `wrong_token`: the right and wrong next token, one for all
+      prompts or one per prompt `[batch]`.
+
+    **Returns:** a batched metric, logits `[runs * batch, pos, d_vocab]` to `[runs]`.
+
+    **Raises:** [`PatchingError`][safelens.PatchingError] when the two logits'
+    shapes differ or the tokens do not fit the batch.
+
+    ```python
+    >>> clean, corrupted = torch.zeros(1, 3, 5), torch.zeros(1, 3, 5)
+    >>> clean[0, -1, 2] = 4.0
+    >>> metric = logit_diff_metric(clean, corrupted, answer_token=2, wrong_token=0)
+    >>> metric(torch.cat([clean, corrupted, (clean + corrupted) / 2]))
+    tensor([1.0000, 0.0000, 0.5000])
+
+    ```
+    """
+    if clean_logits.dim() != 3 or clean_logits.shape != corrupted_logits.shape:
+        raise PatchingError(
+            f"clean_logits {tuple(clean_logits.shape)} and corrupted_logits "
+            f"{tuple(corrupted_logits.shape)} must both be [batch, pos, d_vocab] of one shape"
+        )
+    batch = clean_logits.shape[0]
+    device = clean_logits.device
+    right = _answers(answer_token, batch, "answer_token").to(device)
+    wrong = _answers(wrong_token, batch, "wrong_token").to(device)
+
+    def difference(logits: torch.Tensor) -> torch.Tensor:
+        last = logits[:, -1].reshape(-1, batch, logits.shape[-1])
+        rows = torch.arange(batch, device=logits.device)
+        return (last[:, rows, right] - last[:, rows, wrong]).mean(dim=1)
+
+    clean_diff = difference(clean_logits)
+    corrupted_diff = difference(corrupted_logits)
+
+    def metric(logits: Float[torch.Tensor, "rows pos d_vocab"]) -> Float[torch.Tensor, " runs"]:
+        if logits.dim() != 3 or logits.shape[0] % batch:
+            raise PatchingError(
+                f"logits of shape {tuple(logits.shape)} are not [runs * batch, pos, d_vocab] "
+                f"for batch={batch}"
+            )
+        return (difference(logits) - corrupted_diff) / (clean_diff - corrupted_diff)
+
+    return metric

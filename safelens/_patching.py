@@ -1,0 +1,460 @@
+"""Activation patching sweeps: TransformerLens' `patching` results, many runs per pass.
+
+Each function here takes the arguments of its namesake in `transformer_lens.patching`
+(`model, corrupted_tokens, clean_cache, patching_metric`) and returns a tensor of the
+same shape with the same numbers (up to float rounding), on the model's device. Instead
+of one full forward pass per patch, patched runs are stacked along the batch and run
+from the corrupted run's frozen key/value cache: a patch at layer `l`, position `p`
+only runs positions `p:` and layers `l:` (see `safelens._patch_grid`).
+
+`patching_metric` is best *batched*: a function of logits `[runs * batch, pos, d_vocab]`
+(rows `r * batch … (r + 1) * batch - 1` are patched run `r`) returning `[runs]`, as
+[`logit_diff_metric`][safelens.logit_diff_metric] does. A TransformerLens-style metric,
+logits of one run to a scalar, works too (it is detected at first call, when it returns
+a scalar for many runs) but is then called once per run.
+
+Grouped-query models: key and value patches index key/value heads, `[…, n_kv_heads]`,
+as TransformerLens does (its `hook_k`/`hook_v` hold the KV heads).
+
+Caveat: positions before a patch are taken from the corrupted run, so a custom
+`patch_setter` in [`generic_activation_patch`][safelens.generic_activation_patch] must
+not change positions before its index's `pos` (TransformerLens' setters never do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import pandas as pd
+import torch
+from jaxtyping import Float, Int
+from transformer_lens import ActivationCache, HookedTransformer
+from transformer_lens.utilities import get_act_name
+
+from ._errors import PatchingError
+from ._patch_grid import CorruptedRun, Run, sweep
+
+__all__ = [
+    "generic_activation_patch",
+    "get_act_patch_resid_pre",
+    "get_act_patch_attn_out",
+    "get_act_patch_mlp_out",
+    "get_act_patch_attn_head_out_by_pos",
+    "get_act_patch_attn_head_q_by_pos",
+    "get_act_patch_attn_head_k_by_pos",
+    "get_act_patch_attn_head_v_by_pos",
+    "get_act_patch_attn_head_out_all_pos",
+    "get_act_patch_attn_head_q_all_pos",
+    "get_act_patch_attn_head_k_all_pos",
+    "get_act_patch_attn_head_v_all_pos",
+]
+
+AxisName = Literal["layer", "pos", "head_index", "head", "src_pos", "dest_pos"]
+PatchSetter = Callable[[torch.Tensor, Sequence[int], torch.Tensor], torch.Tensor]
+Metric = Callable[[Float[torch.Tensor, "batch pos d_vocab"]], torch.Tensor]
+DEFAULT_MAX_BYTES = 2**30
+
+
+class _Sweep:
+    """The checked inputs of one sweep."""
+
+    def __init__(
+        self,
+        model: HookedTransformer,
+        corrupted_tokens: torch.Tensor,
+        clean_cache: ActivationCache | dict[str, torch.Tensor],
+        activation_name: str,
+    ) -> None:
+        if not isinstance(model, HookedTransformer):
+            raise PatchingError(f"model must be a HookedTransformer, got {type(model).__name__}")
+        if model.cfg.positional_embedding_type == "shortformer":
+            raise PatchingError(
+                "shortformer positional embeddings are not supported by the cached sweeps; "
+                "use transformer_lens.patching for this model"
+            )
+        tokens = corrupted_tokens
+        if not isinstance(tokens, torch.Tensor) or tokens.is_floating_point():
+            raise PatchingError(
+                f"corrupted_tokens must be an integer tensor [batch, pos], got "
+                f"{getattr(tokens, 'dtype', type(tokens).__name__)}"
+            )
+        if tokens.dim() == 1:
+            tokens = tokens[None]
+        if tokens.dim() != 2:
+            raise PatchingError(
+                f"corrupted_tokens must be [batch, pos], got shape {tuple(tokens.shape)}"
+            )
+        self.model = model
+        self.tokens = tokens.to(model.cfg.device)
+        self.batch, self.length = self.tokens.shape
+        self.activation_name = activation_name
+        names = [self.hook_name(layer) for layer in range(model.cfg.n_layers)]
+        self.corrupted = CorruptedRun.of(model, self.tokens, names)
+        self.clean = [self._clean(clean_cache, layer) for layer in range(model.cfg.n_layers)]
+
+    def expected(self, layer: int) -> torch.Size:
+        """The shape after `batch` of this activation in the corrupted run."""
+        return self.corrupted.activations[self.hook_name(layer)].shape[1:]
+
+    def hook_name(self, layer: int) -> str:
+        return get_act_name(self.activation_name, layer)
+
+    def _clean(self, clean_cache: Any, layer: int) -> torch.Tensor:
+        name = self.hook_name(layer)
+        try:
+            clean = clean_cache[name]
+        except KeyError:
+            raise PatchingError(
+                f"clean_cache has no activation {name!r}; run the clean prompt with "
+                "model.run_with_cache(clean_tokens) and pass that cache"
+            ) from None
+        if clean.shape[0] not in (1, self.batch) or clean.shape[1:] != self.expected(layer):
+            raise PatchingError(
+                f"clean_cache[{name!r}] has shape {tuple(clean.shape)}; expected [batch="
+                f"{self.batch} or 1, {', '.join(map(str, self.expected(layer)))}] to match "
+                f"corrupted_tokens {tuple(self.tokens.shape)}. Clean and corrupted prompts "
+                "must have the same length"
+            )
+        return clean.to(self.model.cfg.device).expand(self.batch, *clean.shape[1:])
+
+    def heads(self) -> int:
+        kv = self.model.cfg.n_key_value_heads
+        return (
+            kv if self.activation_name in ("k", "v") and kv is not None else self.model.cfg.n_heads
+        )
+
+    def run(
+        self,
+        runs: list[Run],
+        shape: tuple[int, ...],
+        patcher: Callable[[torch.Tensor, list[Run], list[int], int], None],
+        metric: Metric,
+        max_batch: int | None,
+        max_bytes: int,
+        progress: bool,
+    ) -> torch.Tensor:
+        if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
+            raise PatchingError(f"max_batch must be a positive int or None, got {max_batch!r}")
+        out = torch.zeros(shape, device=self.model.cfg.device)
+        return sweep(
+            self.model,
+            self.corrupted,
+            runs,
+            self.hook_name,
+            patcher,
+            metric,
+            out,
+            max_batch,
+            max_bytes,
+            progress,
+        )
+
+
+def _row_index(sweep: _Sweep, runs: list[Run], rows: list[int]) -> tuple[torch.Tensor, ...]:
+    """Batch rows, clean-batch rows and per-run index columns, one entry per patched row."""
+    device = sweep.model.cfg.device
+    batch = torch.arange(sweep.batch, device=device)
+    starts = torch.tensor(rows, device=device)
+    row = (starts[:, None] + batch).reshape(-1)
+    columns = torch.tensor([run.index for run in runs], device=device)
+    return (row, batch.repeat(len(runs)), *columns.repeat_interleave(sweep.batch, dim=0).T)
+
+
+def _by_pos_patcher(sweep: _Sweep, with_head: bool) -> Callable[..., None]:
+    def patch(tensor: torch.Tensor, runs: list[Run], rows: list[int], batch: int) -> None:
+        row, clean_row, layer, pos, *head = _row_index(sweep, runs, rows)
+        clean = sweep.clean[runs[0].layer]
+        if with_head:
+            tensor[row, 0, head[0]] = clean[clean_row, pos, head[0]]
+        else:
+            tensor[row, 0] = clean[clean_row, pos]
+
+    return patch
+
+
+def _all_pos_patcher(sweep: _Sweep) -> Callable[..., None]:
+    def patch(tensor: torch.Tensor, runs: list[Run], rows: list[int], batch: int) -> None:
+        row, clean_row, layer, head = _row_index(sweep, runs, rows)
+        tensor[row, :, head] = sweep.clean[runs[0].layer][clean_row, :, head]
+
+    return patch
+
+
+def _grid(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every index of `shape` in row-major order (the last axis fastest)."""
+    grid = torch.cartesian_prod(*(torch.arange(n) for n in shape)).reshape(-1, len(shape))
+    return [tuple(row) for row in grid.tolist()]
+
+
+def _grid_runs(shape: tuple[int, ...], pos_axis: int | None) -> list[Run]:
+    return [
+        Run(index[0], index[pos_axis] if pos_axis is not None else 0, slot, index)
+        for slot, index in enumerate(_grid(shape))
+    ]
+
+
+def _patch(
+    activation_name: str,
+    by_pos: bool,
+    with_head: bool,
+    model: HookedTransformer,
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    clean_cache: ActivationCache,
+    patching_metric: Metric,
+    *,
+    max_batch: int | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    progress: bool = True,
+) -> torch.Tensor:
+    sweep = _Sweep(model, corrupted_tokens, clean_cache, activation_name)
+    shape: tuple[int, ...] = (model.cfg.n_layers,)
+    if by_pos:
+        shape += (sweep.length,)
+    if with_head:
+        shape += (sweep.heads(),)
+    runs = _grid_runs(shape, 1 if by_pos else None)
+    patcher = _by_pos_patcher(sweep, with_head) if by_pos else _all_pos_patcher(sweep)
+    return sweep.run(runs, shape, patcher, patching_metric, max_batch, max_bytes, progress)
+
+
+def generic_activation_patch(
+    model: HookedTransformer,
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    clean_cache: ActivationCache,
+    patching_metric: Metric,
+    patch_setter: PatchSetter,
+    activation_name: str,
+    index_axis_names: Sequence[AxisName] | None = None,
+    index_df: pd.DataFrame | None = None,
+    return_index_df: bool = False,
+    *,
+    max_batch: int | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    progress: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, pd.DataFrame]:
+    """Patch with any setter over any index grid, as `transformer_lens.patching` does.
+
+    Same arguments and result as TransformerLens' `generic_activation_patch`: the first
+    index column is the layer; a `pos` column, when there is one, is the first position
+    `patch_setter` changes (positions before it are reused from the corrupted run).
+    `patch_setter(corrupted_activation, index, clean_activation)` is called once per
+    patch on that run's full-length activation `[batch, pos, …]`.
+
+    **Arguments:**
+
+    - `model`, `corrupted_tokens`, `clean_cache`, `patching_metric`, `patch_setter`,
+      `activation_name`, `index_axis_names`, `index_df`, `return_index_df`: as in
+      TransformerLens.
+    - `max_batch`: at most this many patched runs per forward pass.
+    - `max_bytes`: a memory budget that bounds the runs per forward pass (default 1 GiB).
+    - `progress`: show a progress bar.
+
+    **Returns:** the metric per patch, `[*axis sizes]`, or `[len(index_df)]` when
+    `index_df` is given (and `index_df` itself with `return_index_df=True`).
+
+    ```python
+    >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
+    >>> from transformer_lens.patching import layer_pos_patch_setter
+    >>> cfg = HookedTransformerConfig(n_layers=2, d_model=16, n_ctx=8, d_head=4, n_heads=4, d_vocab=11, act_fn="gelu")
+    >>> model = HookedTransformer(cfg)
+    >>> _, clean_cache = model.run_with_cache(torch.tensor([[1, 2, 3]]))
+    >>> metric = lambda logits: logits[:, -1, 0]
+    >>> generic_activation_patch(model, torch.tensor([[1, 5, 3]]), clean_cache, metric,
+    ...     layer_pos_patch_setter, "resid_pre", ("layer", "pos"), progress=False).shape
+    torch.Size([2, 3])
+
+    ```
+    """
+    sweep = _Sweep(model, corrupted_tokens, clean_cache, activation_name)
+    if (index_df is None) == (index_axis_names is None):
+        raise PatchingError(
+            "pass exactly one of index_axis_names (a tuple such as ('layer', 'pos')) and "
+            f"index_df; got index_axis_names={index_axis_names!r} and "
+            f"index_df={'a DataFrame' if index_df is not None else None}"
+        )
+    if index_df is None:
+        assert index_axis_names is not None
+        sizes = {"layer": model.cfg.n_layers, "pos": sweep.length, "src_pos": sweep.length}
+        sizes |= {"dest_pos": sweep.length, "head_index": sweep.heads(), "head": sweep.heads()}
+        unknown = [name for name in index_axis_names if name not in sizes]
+        if unknown:
+            raise PatchingError(f"index_axis_names {unknown} unknown; allowed: {sorted(sizes)}")
+        shape = tuple(sizes[name] for name in index_axis_names)
+        index_df = pd.DataFrame(_grid(shape), columns=list(index_axis_names))
+    else:
+        shape = (len(index_df),)
+    columns = list(index_df.columns)
+    pos_column = columns.index("pos") if "pos" in columns else None
+    runs = []
+    for slot, row in enumerate(index_df.itertuples(index=False)):
+        index = tuple(int(i) for i in row)
+        runs.append(Run(index[0], index[pos_column] if pos_column is not None else 0, slot, index))
+
+    def patch(tensor: torch.Tensor, runs: list[Run], rows: list[int], batch: int) -> None:
+        layer = runs[0].layer
+        before = sweep.corrupted.activations[sweep.hook_name(layer)]
+        for run, row in zip(runs, rows, strict=True):
+            own = tensor[row : row + batch]
+            full = torch.cat([before[:, : run.pos], own], dim=1)
+            patched = patch_setter(full, list(run.index), sweep.clean[layer])
+            own.copy_(patched[:, run.pos :])
+
+    result = sweep.run(runs, shape, patch, patching_metric, max_batch, max_bytes, progress)
+    return (result, index_df) if return_index_df else result
+
+
+_EXAMPLE = """
+    ```python
+    >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
+    >>> cfg = HookedTransformerConfig(n_layers=2, d_model=16, n_ctx=8, d_head=4, n_heads=4, d_vocab=11, act_fn="gelu")
+    >>> model = HookedTransformer(cfg)
+    >>> _, clean_cache = model.run_with_cache(torch.tensor([[1, 2, 3]]))
+    >>> metric = lambda logits: logits[:, -1, 0] - logits[:, -1, 1]
+    >>> {name}(model, torch.tensor([[1, 5, 3]]), clean_cache, metric, progress=False).shape
+    {shape}
+
+    ```
+"""
+
+
+def _sweep_function(
+    name: str, activation: str, what: str, by_pos: bool, with_head: bool, example: str
+) -> Callable[..., torch.Tensor]:
+    def patch(
+        model: HookedTransformer,
+        corrupted_tokens: Int[torch.Tensor, "batch pos"],
+        clean_cache: ActivationCache,
+        patching_metric: Metric,
+        *,
+        max_batch: int | None = None,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        progress: bool = True,
+    ) -> torch.Tensor:
+        return _patch(
+            activation,
+            by_pos,
+            with_head,
+            model,
+            corrupted_tokens,
+            clean_cache,
+            patching_metric,
+            max_batch=max_batch,
+            max_bytes=max_bytes,
+            progress=progress,
+        )
+
+    axes = "layer" + (", pos" if by_pos else "") + (", head" if with_head else "")
+    heads = (
+        " (`n_kv_heads` on grouped-query models)" if activation in ("k", "v") and with_head else ""
+    )
+    patch.__name__ = patch.__qualname__ = name
+    patch.__doc__ = f"""Patch {what}: TransformerLens' `patching.{name}`, batched on the cache.
+
+    Patches `{get_act_name(activation, 0).replace("0", "{{layer}}")}` from `clean_cache`
+    into the corrupted run at each [{axes}]{heads}.
+
+    **Arguments:**
+
+    - `model`: a `HookedTransformer`.
+    - `corrupted_tokens`: `[batch, pos]` tokens of the corrupted run.
+    - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`).
+    - `patching_metric`: logits `[runs * batch, pos, d_vocab]` to `[runs]` (fast), or
+      TransformerLens-style logits of one run to a scalar.
+    - `max_batch`: at most this many patched runs per forward pass.
+    - `max_bytes`: a memory budget that bounds the runs per forward pass (default 1 GiB).
+    - `progress`: show a progress bar.
+
+    **Returns:** the metric per patch, float32 `[{axes}]` on the model's device.
+    {_EXAMPLE.format(name=name, shape=example)}"""
+    return patch
+
+
+get_act_patch_resid_pre = _sweep_function(
+    "get_act_patch_resid_pre",
+    "resid_pre",
+    "the residual stream before each block",
+    True,
+    False,
+    "torch.Size([2, 3])",
+)
+get_act_patch_attn_out = _sweep_function(
+    "get_act_patch_attn_out",
+    "attn_out",
+    "each attention layer's output",
+    True,
+    False,
+    "torch.Size([2, 3])",
+)
+get_act_patch_mlp_out = _sweep_function(
+    "get_act_patch_mlp_out",
+    "mlp_out",
+    "each MLP layer's output",
+    True,
+    False,
+    "torch.Size([2, 3])",
+)
+get_act_patch_attn_head_out_by_pos = _sweep_function(
+    "get_act_patch_attn_head_out_by_pos",
+    "z",
+    "each head's output `z` by position",
+    True,
+    True,
+    "torch.Size([2, 3, 4])",
+)
+get_act_patch_attn_head_q_by_pos = _sweep_function(
+    "get_act_patch_attn_head_q_by_pos",
+    "q",
+    "each head's queries by position",
+    True,
+    True,
+    "torch.Size([2, 3, 4])",
+)
+get_act_patch_attn_head_k_by_pos = _sweep_function(
+    "get_act_patch_attn_head_k_by_pos",
+    "k",
+    "each head's keys by position",
+    True,
+    True,
+    "torch.Size([2, 3, 4])",
+)
+get_act_patch_attn_head_v_by_pos = _sweep_function(
+    "get_act_patch_attn_head_v_by_pos",
+    "v",
+    "each head's values by position",
+    True,
+    True,
+    "torch.Size([2, 3, 4])",
+)
+get_act_patch_attn_head_out_all_pos = _sweep_function(
+    "get_act_patch_attn_head_out_all_pos",
+    "z",
+    "each head's output `z` at all positions",
+    False,
+    True,
+    "torch.Size([2, 4])",
+)
+get_act_patch_attn_head_q_all_pos = _sweep_function(
+    "get_act_patch_attn_head_q_all_pos",
+    "q",
+    "each head's queries at all positions",
+    False,
+    True,
+    "torch.Size([2, 4])",
+)
+get_act_patch_attn_head_k_all_pos = _sweep_function(
+    "get_act_patch_attn_head_k_all_pos",
+    "k",
+    "each head's keys at all positions",
+    False,
+    True,
+    "torch.Size([2, 4])",
+)
+get_act_patch_attn_head_v_all_pos = _sweep_function(
+    "get_act_patch_attn_head_v_all_pos",
+    "v",
+    "each head's values at all positions",
+    False,
+    True,
+    "torch.Size([2, 4])",
+)
