@@ -1,0 +1,466 @@
+"""One `fwd_hooks` list for the model's hook points and the cache's.
+
+TransformerLens users write `model.run_with_hooks(tokens, fwd_hooks=[(name, fn), ...])`.
+Here the same list may also name the cache's hook points,
+`blocks.{layer}.kv_cache.hook_k_new` / `hook_v_new` / `hook_k_full` / `hook_v_full`:
+[`hooks`][safelens.hooks] splits it, sending model names to the model's hook points and
+cache names to the cache entries' [`CacheHookPoint`][safelens.CacheHookPoint]s, and
+removes the temporary ones on exit, also on error.
+[`run_with_hooks`][safelens.run_with_hooks] runs one forward pass that way and
+[`run_with_cache_capture`][safelens.run_with_cache_capture] collects what the cache hook
+points saw.
+
+Caveats:
+
+- Keys are cached *before* rotary embeddings (TransformerLens rotates the full keys on
+  every pass), so cache hooks see the same keys as `blocks.{l}.attn.hook_k`, not
+  `hook_rot_k`. With grouped-query attention the heads axis has `n_key_value_heads`
+  entries.
+- Hooks live on the cache's entries: `cache.fork()` and friends return caches whose
+  hook points start empty.
+- A lazy cache (`KeyValueCache()`) gets an empty entry for each layer named, as
+  `cache[layer]` would make it. `run_with_hooks` also gives every missing or empty
+  layer `[batch, 0, n_kv_heads, d_head]` tensors in the model's dtype, as
+  `KeyValueCache.init_cache` would, because TransformerLens reads the cached length
+  of every layer.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Seq
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch
+from transformer_lens import HookedTransformer
+
+from ._cache import KeyValueCache
+from ._cache_entry import hook_name
+from ._config import CacheDimensions
+from ._errors import HookError
+from ._hook_point import CacheHookPoint, HookFunction
+from ._storage import Sequence
+
+__all__ = [
+    "NamesFilter",
+    "add_hook",
+    "cache_hook_names",
+    "hooks",
+    "reset_hooks",
+    "run_with_cache_capture",
+    "run_with_hooks",
+]
+
+NamesFilter = str | Seq[str] | Callable[[str], bool]
+FwdHooks = Seq[tuple[NamesFilter, HookFunction]]
+Indices = int | Seq[int] | torch.Tensor
+
+_POINTS = ("hook_k_new", "hook_v_new", "hook_k_full", "hook_v_full")
+_POS, _HEADS = 1, 2
+
+
+def cache_hook_names(n_layers: int) -> list[str]:
+    """Every cache hook name of a model with `n_layers` layers, in layer order.
+
+    ```python
+    >>> cache_hook_names(2)[:2]
+    ['blocks.0.kv_cache.hook_k_new', 'blocks.0.kv_cache.hook_v_new']
+
+    ```
+    """
+    return [hook_name(layer, point) for layer in range(n_layers) for point in _POINTS]
+
+
+def _unknown(name: str, model: HookedTransformer) -> HookError:
+    known = list(model.hook_dict) + cache_hook_names(model.cfg.n_layers)
+    close = difflib.get_close_matches(name, known, n=5, cutoff=0.6)
+    hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+    return HookError(
+        f"unknown hook name {name!r}: neither a hook point of the model nor a cache hook "
+        f"point blocks.{{0..{model.cfg.n_layers - 1}}}.kv_cache.{{{', '.join(_POINTS)}}}"
+        f"{hint}"
+    )
+
+
+def _resolve(
+    model: HookedTransformer, names: NamesFilter, cache_only: bool = False
+) -> tuple[list[str], list[str]]:
+    """`(model_names, cache_names)` that `names` selects, or a `HookError` saying why not."""
+    cache_names = cache_hook_names(model.cfg.n_layers)
+    if callable(names):
+        chosen = [] if cache_only else [n for n in model.hook_dict if names(n)]
+        return chosen, [n for n in cache_names if names(n)]
+    listed = [names] if isinstance(names, str) else names
+    if not isinstance(listed, Seq) or not all(isinstance(n, str) for n in listed):
+        raise HookError(
+            "a hook name filter must be a name, a list of names or a function "
+            f"fn(name) -> bool, got {names!r}"
+        )
+    model_names, chosen_cache = [], []
+    known_cache = set(cache_names)
+    for name in listed:
+        if name in known_cache:
+            chosen_cache.append(name)
+        elif name in model.hook_dict and cache_only:
+            raise HookError(
+                f"{name!r} is a hook point of the model, not of the cache; capture it with "
+                "model.run_with_cache(..., names_filter=...)"
+            )
+        elif name in model.hook_dict:
+            model_names.append(name)
+        else:
+            raise _unknown(name, model)
+    return model_names, chosen_cache
+
+
+def _cache_point(cache: KeyValueCache, name: str) -> CacheHookPoint:
+    """The hook point `name` (`blocks.{l}.kv_cache.{point}`); a lazy cache makes layer l."""
+    layer, point = int(name.split(".")[1]), name.rsplit(".", 1)[1]
+    try:
+        entry = cache[layer]
+    except IndexError:
+        raise HookError(
+            f"hook {name!r} names layer {layer}, but the cache holds {len(cache)} layers; "
+            "build it with KeyValueCache.init_cache(model.cfg) or KeyValueCache()"
+        ) from None
+    hook_point: CacheHookPoint = getattr(entry, point)
+    return hook_point
+
+
+def add_hook(
+    model: HookedTransformer,
+    cache: KeyValueCache,
+    name: NamesFilter,
+    hook: HookFunction,
+    dir: Literal["fwd"] = "fwd",
+    is_permanent: bool = False,
+    level: int | None = None,
+    prepend: bool = False,
+) -> None:
+    """Attach `hook` to every model or cache hook point that `name` selects.
+
+    As TransformerLens' `model.add_hook`, over the model's hook names and the cache's.
+    The hook stays until removed ([`reset_hooks`][safelens.reset_hooks]); permanent
+    hooks survive `reset_hooks` unless `including_permanent=True`.
+
+    **Arguments:**
+
+    - `model`: the `HookedTransformer`.
+    - `cache`: the [`KeyValueCache`][safelens.KeyValueCache] whose hook points to use.
+    - `name`: a hook name, a list of names, or a predicate `fn(name) -> bool`.
+    - `hook`: `fn(tensor, hook) -> tensor | None`.
+    - `dir`: `"fwd"` (cache hook points have no backward hooks).
+    - `is_permanent`, `level`, `prepend`: as in TransformerLens' `HookPoint.add_hook`;
+      `prepend=True` runs `hook` before those already attached.
+
+    **Raises:** [`HookError`][safelens.HookError] for an unknown name (listing near
+    matches) or a layer the cache lacks; nothing is attached then.
+    """
+    model_names, cache_names = _resolve(model, name)
+    points = [_cache_point(cache, n) for n in cache_names]
+    for model_name in model_names:
+        model.add_hook(
+            model_name, hook, dir=dir, is_permanent=is_permanent, level=level, prepend=prepend
+        )
+    for point in points:
+        point.add_hook(hook, dir=dir, is_permanent=is_permanent, level=level, prepend=prepend)
+
+
+def reset_hooks(
+    model: HookedTransformer,
+    cache: KeyValueCache,
+    clear_contexts: bool = True,
+    including_permanent: bool = False,
+    level: int | None = None,
+) -> None:
+    """Remove temporary hooks from the model and the cache (all, with `including_permanent`).
+
+    With `level`, only temporary hooks added at that context level are removed.
+    """
+    model.reset_hooks(clear_contexts, "both", including_permanent, level)
+    for point in cache.hook_points().values():
+        point.remove_hooks("fwd", including_permanent=including_permanent, level=level)
+        if clear_contexts:
+            point.clear_context()
+
+
+@contextmanager
+def hooks(
+    model: HookedTransformer,
+    cache: KeyValueCache,
+    fwd_hooks: FwdHooks = (),
+    reset_hooks_end: bool = True,
+    clear_contexts: bool = False,
+) -> Iterator[HookedTransformer]:
+    """Attach `fwd_hooks` (model and cache names mixed) for the block; yields the model.
+
+    As TransformerLens' `model.hooks()`: every name is checked before any hook is
+    attached, and on exit the hooks this block attached are removed, also when the
+    block raises. Hooks attached before (and permanent ones) stay.
+
+    **Arguments:**
+
+    - `model`, `cache`: the model and the cache that will be passed as `past_kv_cache=`.
+    - `fwd_hooks`: `[(names, fn), ...]`; `names` as in [`add_hook`][safelens.add_hook].
+    - `reset_hooks_end`: remove this block's hooks on exit.
+    - `clear_contexts`: also empty every hook point's `ctx` on exit.
+
+    **Raises:** [`HookError`][safelens.HookError] for an unknown name; nothing is
+    attached then.
+
+    ```python
+    >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
+    >>> model = HookedTransformer(HookedTransformerConfig(n_layers=1, d_model=16, n_ctx=8,
+    ...     d_head=4, n_heads=4, d_vocab=10, act_fn="relu"))
+    >>> cache = KeyValueCache.init_cache(model.cfg)
+    >>> seen = []
+    >>> save = lambda tensor, hook: seen.append((hook.name, tuple(tensor.shape)))
+    >>> names = ["blocks.0.attn.hook_k", "blocks.0.kv_cache.hook_k_full"]
+    >>> with hooks(model, cache, [(names, save)]):
+    ...     _ = model(torch.tensor([[1, 2, 3]]), past_kv_cache=cache,
+    ...               attention_mask=torch.ones(1, 3))
+    >>> seen
+    [('blocks.0.attn.hook_k', (1, 3, 4, 4)), ('blocks.0.kv_cache.hook_k_full', (1, 3, 4, 4))]
+
+    ```
+    """
+    resolved = [(_resolve(model, names), fn) for names, fn in fwd_hooks]
+    attach = [
+        (model_names, [_cache_point(cache, n) for n in cache_names], fn)
+        for (model_names, cache_names), fn in resolved
+    ]
+    model.context_level += 1
+    level = model.context_level
+    try:
+        for model_names, points, fn in attach:
+            for model_name in model_names:
+                model.hook_dict[model_name].add_hook(fn, dir="fwd", level=level)
+            for point in points:
+                point.add_hook(fn, level=level)
+        yield model
+    finally:
+        if reset_hooks_end:
+            reset_hooks(model, cache, clear_contexts, including_permanent=False, level=level)
+        model.context_level -= 1
+
+
+def _snapshot(cache: KeyValueCache) -> Callable[[], None]:
+    """A function that puts `cache` back as it is now (entries, keys, values, mask)."""
+
+    def state(held: Any) -> Any:
+        return held.snapshot() if isinstance(held, Sequence) else None
+
+    entries = dict(cache._entries)
+    held = [(e, e._keys, state(e._keys), e._values, state(e._values)) for e in entries.values()]
+    mask, mask_state = cache._mask, state(cache._mask)
+
+    def restore() -> None:
+        cache._entries = entries
+        for entry, keys, keys_state, values, values_state in held:
+            entry._keys, entry._values = keys, values
+            for seq, seq_state in ((keys, keys_state), (values, values_state)):
+                if seq_state is not None:
+                    seq.restore(seq_state)
+        cache._mask = mask
+        if mask_state is not None:
+            mask.restore(mask_state)
+
+    return restore
+
+
+def _fill_empty_layers(model: HookedTransformer, cache: KeyValueCache, batch: int) -> None:
+    """Give every layer without tensor keys an empty `[batch, 0, n_kv_heads, d_head]` pair."""
+    dims = CacheDimensions.of(model.cfg)
+    for layer in range(dims.n_layers):
+        try:
+            entry = cache[layer]
+        except IndexError:
+            raise HookError(
+                f"the cache holds {len(cache)} layers but the model has {dims.n_layers}; "
+                "build it with KeyValueCache.init_cache(model.cfg)"
+            ) from None
+        if entry.keys is None and entry.values is None:
+            empty = dims.empty_keys(batch, dims.device_of_layer(layer, model.cfg.device))
+            entry.keys, entry.values = empty, torch.empty_like(empty)
+
+
+def _forward(
+    model: HookedTransformer,
+    input: Any,
+    cache: KeyValueCache,
+    fwd_hooks: FwdHooks,
+    forward_args: dict[str, Any],
+    reset_hooks_end: bool,
+    clear_contexts: bool,
+) -> Any:
+    if not isinstance(cache, KeyValueCache):
+        raise HookError(f"cache must be a safelens KeyValueCache, got {type(cache).__name__}")
+    restore = _snapshot(cache)
+    try:
+        if isinstance(input, torch.Tensor):
+            _fill_empty_layers(model, cache, input.shape[0])
+            if forward_args["attention_mask"] is None and model.tokenizer is None:
+                forward_args["attention_mask"] = torch.ones(
+                    input.shape[:2], dtype=torch.long, device=input.device
+                )
+        with hooks(model, cache, fwd_hooks, reset_hooks_end, clear_contexts):
+            return model(input, past_kv_cache=cache, **forward_args)
+    except BaseException:
+        restore()
+        raise
+
+
+def run_with_hooks(
+    model: HookedTransformer,
+    input: Any,
+    *,
+    cache: KeyValueCache,
+    fwd_hooks: FwdHooks = (),
+    attention_mask: torch.Tensor | None = None,
+    return_type: str | None = "logits",
+    loss_per_token: bool = False,
+    prepend_bos: bool | None = None,
+    padding_side: Literal["left", "right"] | None = None,
+    start_at_layer: int | None = None,
+    stop_at_layer: int | None = None,
+    tokens: torch.Tensor | None = None,
+    shortformer_pos_embed: torch.Tensor | None = None,
+    reset_hooks_end: bool = True,
+    clear_contexts: bool = False,
+) -> Any:
+    """One forward pass through `cache` with `fwd_hooks` attached (model and cache names).
+
+    As `model.run_with_hooks(input, past_kv_cache=cache, fwd_hooks=...)`, but `fwd_hooks`
+    may also name cache hook points. A token `input` without `attention_mask` on a model
+    without tokenizer gets an all-ones mask. A lazy or empty cache first gets empty
+    tensors for every layer (see the module notes). If the pass fails (a hook raises or
+    returns a tensor that does not fit), the cache is put back exactly as it was.
+
+    **Arguments:**
+
+    - `model`: the `HookedTransformer`; `input`: tokens `[batch, new_tokens]` (or what
+      `model.forward` accepts).
+    - `cache`: the [`KeyValueCache`][safelens.KeyValueCache] to read and append to.
+    - `fwd_hooks`: `[(names, fn), ...]`, `names` a hook name, list of names or predicate.
+    - `attention_mask` … `shortformer_pos_embed`: passed to `model.forward`.
+    - `reset_hooks_end`, `clear_contexts`: as in [`hooks`][safelens.hooks].
+
+    **Returns:** what `model.forward` returns.
+
+    **Raises:** [`HookError`][safelens.HookError] for an unknown hook name or a hook
+    result of the wrong shape, dtype or device.
+
+    ```python
+    >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
+    >>> model = HookedTransformer(HookedTransformerConfig(n_layers=1, d_model=16, n_ctx=8,
+    ...     d_head=4, n_heads=4, d_vocab=10, act_fn="relu"))
+    >>> cache = KeyValueCache()
+    >>> zero = lambda tensor, hook: torch.zeros_like(tensor)
+    >>> logits = run_with_hooks(model, torch.tensor([[1, 2, 3]]), cache=cache,
+    ...     fwd_hooks=[("blocks.0.kv_cache.hook_v_new", zero)])
+    >>> logits.shape, cache[0].values.abs().sum().item()
+    (torch.Size([1, 3, 10]), 0.0)
+
+    ```
+    """
+    forward_args = dict(
+        attention_mask=attention_mask,
+        return_type=return_type,
+        loss_per_token=loss_per_token,
+        prepend_bos=prepend_bos,
+        padding_side=padding_side,
+        start_at_layer=start_at_layer,
+        stop_at_layer=stop_at_layer,
+        tokens=tokens,
+        shortformer_pos_embed=shortformer_pos_embed,
+    )
+    return _forward(model, input, cache, fwd_hooks, forward_args, reset_hooks_end, clear_contexts)
+
+
+def _index(indices: Indices, size: int, what: str, name: str) -> torch.Tensor:
+    index = torch.as_tensor([indices] if isinstance(indices, int) else indices).reshape(-1)
+    if index.dtype in (torch.bool, torch.float16, torch.float32, torch.float64):
+        raise HookError(f"{what} must be ints, got {indices!r}")
+    if index.numel() and not (-size <= int(index.min()) and int(index.max()) < size):
+        raise HookError(
+            f"{what} {index.tolist()} out of range for {name!r}, which sees {size} "
+            f"{'positions' if what == 'positions' else 'KV heads'}"
+        )
+    return index % size
+
+
+def run_with_cache_capture(
+    model: HookedTransformer,
+    input: Any,
+    *,
+    cache: KeyValueCache,
+    names: NamesFilter | None = None,
+    positions: Indices | None = None,
+    heads: Indices | None = None,
+    fwd_hooks: FwdHooks = (),
+    attention_mask: torch.Tensor | None = None,
+    return_type: str | None = "logits",
+    start_at_layer: int | None = None,
+    stop_at_layer: int | None = None,
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Run one forward pass through `cache` and collect what its hook points saw.
+
+    Capture hooks run after `fwd_hooks`, so they see patched tensors: for `hook_*_new`,
+    exactly what is stored; for `hook_*_full`, exactly what attention reads.
+
+    **Arguments:**
+
+    - `model`, `input`, `cache`, `fwd_hooks`, `attention_mask`, `return_type`,
+      `start_at_layer`, `stop_at_layer`: as in [`run_with_hooks`][safelens.run_with_hooks].
+    - `names`: cache hook names to capture (a name, a list, or a predicate); `None` for
+      all of them.
+    - `positions`: keep only these indices of the `pos` axis each hook sees (absolute
+      positions for `hook_*_full`; indices among the new tokens for `hook_*_new`).
+    - `heads`: keep only these KV heads.
+
+    **Returns:** `(output, captured)`, `captured[name]` a detached clone
+    `[batch, pos, n_kv_heads, d_head]` (selected positions/heads only, axes kept).
+
+    **Raises:** [`HookError`][safelens.HookError] for an unknown or model hook name, or
+    positions/heads out of range; the cache is then unchanged.
+
+    ```python
+    >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
+    >>> model = HookedTransformer(HookedTransformerConfig(n_layers=2, d_model=16, n_ctx=8,
+    ...     d_head=4, n_heads=4, d_vocab=10, act_fn="relu"))
+    >>> _, captured = run_with_cache_capture(model, torch.tensor([[1, 2, 3]]),
+    ...     cache=KeyValueCache(), names=lambda name: name.endswith("hook_k_full"),
+    ...     positions=[0, -1], heads=1)
+    >>> {name: tuple(t.shape) for name, t in captured.items()}
+    {'blocks.0.kv_cache.hook_k_full': (1, 2, 1, 4), 'blocks.1.kv_cache.hook_k_full': (1, 2, 1, 4)}
+
+    ```
+    """
+    chosen = (
+        cache_hook_names(model.cfg.n_layers) if names is None else _resolve(model, names, True)[1]
+    )
+    n_kv_heads = CacheDimensions.of(model.cfg).n_kv_heads
+    head_index = None if heads is None else _index(heads, n_kv_heads, "heads", "the cache")
+    captured: dict[str, torch.Tensor] = {}
+
+    def save(tensor: torch.Tensor, hook: CacheHookPoint) -> None:
+        kept = tensor.detach()
+        if positions is not None:
+            kept = kept.index_select(
+                _POS, _index(positions, kept.shape[_POS], "positions", hook.name).to(kept.device)
+            )
+        if head_index is not None:
+            kept = kept.index_select(_HEADS, head_index.to(kept.device))
+        captured[hook.name] = kept.clone()
+
+    forward_args = dict(
+        attention_mask=attention_mask,
+        return_type=return_type,
+        start_at_layer=start_at_layer,
+        stop_at_layer=stop_at_layer,
+    )
+    all_hooks = list(fwd_hooks) + ([(chosen, save)] if chosen else [])
+    output = _forward(model, input, cache, all_hooks, forward_args, True, False)
+    return output, captured
