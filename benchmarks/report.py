@@ -7,10 +7,10 @@ import platform
 import re
 from collections.abc import Iterable
 from datetime import datetime, timezone
+from importlib import metadata
 from pathlib import Path
 
 import torch
-import transformer_lens
 
 from ._common import Row
 
@@ -84,13 +84,22 @@ def markdown_table(rows: Iterable[Row]) -> str:
     return "\n".join(lines)
 
 
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment() -> dict[str, str]:
     """Where the benchmarks ran: device, library versions and thread count."""
-    cpu = platform.processor() or platform.machine()
     info = {
-        "device": f"CPU ({cpu}, {torch.get_num_threads()} torch threads)",
+        "device": f"CPU ({_cpu_name()}, {torch.get_num_threads()} torch threads)",
         "torch": torch.__version__,
-        "transformer_lens": getattr(transformer_lens, "__version__", "unknown"),
+        "transformer_lens": metadata.version("transformer-lens"),
         "python": platform.python_version(),
     }
     if torch.cuda.is_available():
