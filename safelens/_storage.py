@@ -11,7 +11,8 @@ appends starts a buffer of its own and keeps the shared part as a segment. So a 
 handed out by [`view`][] is never overwritten later, a branch never sees its parent's
 later tokens, and the parent never sees the branch's.
 
-Caveat: the spare capacity costs up to 2x the filled memory while a sequence grows.
+Caveat: once a sequence grows past its first append, the spare capacity costs up to 2x
+the filled memory.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import torch
 
 __all__ = ["Sequence"]
 
-_MIN_CAPACITY = 16
 _POS = 1
 
 
@@ -89,7 +89,9 @@ class Sequence:
             buffer.data.narrow(_POS, self._used, count).copy_(new)
         else:
             shape = list(new.shape)
-            shape[_POS] = max(2 * end, _MIN_CAPACITY)
+            # The first append (a prefill, or a continuation's first step) gets exactly
+            # its size, so N branches of a prefix hold no spare room; later appends double.
+            shape[_POS] = 2 * end if self._used else end
             data = new.new_empty(shape)
             data.narrow(_POS, 0, self._used).copy_(self._own())
             data.narrow(_POS, self._used, count).copy_(new)

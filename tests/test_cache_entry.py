@@ -199,7 +199,7 @@ def test_one_token_append_writes_in_place_with_amortised_growth():
         assert keys.shape[1] == entry.sequence_length == step + 1
         assert entry.keys.shape == (1, step + 1, 2, 4)
         assert entry.keys.data_ptr() == keys.data_ptr()  # a view, not a copy
-    assert reallocations <= 6  # capacity doubles: 16, 38, 78, 158, 318
+    assert reallocations <= 10  # capacity doubles: 1, 4, 10, 22, 46, 94, 190, 382
 
 
 def test_views_handed_out_are_never_overwritten():
