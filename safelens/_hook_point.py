@@ -46,7 +46,7 @@ class CacheHookPoint:
 
     **Arguments:**
 
-    - `name`: the full hook name, e.g. `"blocks.0.attn.hook_k_new"`.
+    - `name`: the full hook name, e.g. `"blocks.0.kv_cache.hook_k_new"`.
     """
 
     def __init__(self, name: str) -> None:
