@@ -1,5 +1,6 @@
 """safelens: a TransformerLens-compatible key/value cache for interpretability work."""
 
+from ._ablation import Ablation, ablate_read, ablate_write
 from ._cache import KeyValueCache
 from ._cache_entry import KeyValueCacheEntry
 from ._config import CacheDimensions, parse_dtype
@@ -12,6 +13,7 @@ from ._errors import (
     PatchingError,
     SafelensError,
 )
+from ._generation import Generation, generate, sample_logits
 from ._hook_point import CacheHookPoint
 from ._hooks import (
     add_hook,
@@ -37,6 +39,7 @@ from ._patching import (
     get_act_patch_resid_pre,
 )
 from ._plotting import plot_patching_heatmap
+from ._prefix import ContinuationScores, Prefix, prefill, score_continuations
 from ._values import concat_values, shape_of
 
 TransformerLensKeyValueCache = KeyValueCache
@@ -60,6 +63,16 @@ __all__ = [
     "logit_diff_metric",
     "plot_patching_heatmap",
     "PatchingError",
+    "Prefix",
+    "ContinuationScores",
+    "prefill",
+    "score_continuations",
+    "Generation",
+    "generate",
+    "sample_logits",
+    "Ablation",
+    "ablate_read",
+    "ablate_write",
     "KeyValueCache",
     "KeyValueCacheEntry",
     "TransformerLensKeyValueCache",
