@@ -6,7 +6,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 

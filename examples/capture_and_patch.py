@@ -66,6 +66,8 @@ model(prefix, past_kv_cache=tl_cache, attention_mask=torch.ones(1, 12, dtype=tor
 edited = copy.deepcopy(tl_cache)
 edited[LAYER].past_keys = zero_key(edited[LAYER].past_keys, None)
 edited.freeze()
-reference = model(continuation, past_kv_cache=edited, attention_mask=torch.ones(1, 3, dtype=torch.long))
+reference = model(
+    continuation, past_kv_cache=edited, attention_mask=torch.ones(1, 3, dtype=torch.long)
+)
 print("matches TransformerLens edited cache:", torch.allclose(patched, reference, atol=1e-5))
 print(f"layer {LAYER} hook_z norm while patched: {norms[0]:.3f}")
