@@ -126,7 +126,9 @@ def plot_groups(rows: Iterable[Row], out_dir: Path) -> list[Path]:
     groups: dict[str, list[Row]] = {}
     for row in rows:
         if row.group and row.x is not None:
-            groups.setdefault(row.group, []).append(row)
+            # Time and memory rows of one scaling variable get plots of their own.
+            name = row.group if row.unit == "s" else f"{row.group} ({row.unit})"
+            groups.setdefault(name, []).append(row)
     paths = []
     for group, members in groups.items():
         members.sort(key=lambda r: float(r.x or 0))
