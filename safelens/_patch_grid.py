@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from jaxtyping import Float, Int
@@ -28,6 +27,10 @@ from ._cache import KeyValueCache
 from ._errors import PatchingError
 
 __all__ = ["CorruptedRun", "Patcher", "sweep"]
+
+# The context level of the sweep's own temporary hooks, so removing them leaves the
+# user's hooks on the same hook point in place.
+_SWEEP_LEVEL = -1
 
 # Patch an activation in place for `runs`, whose `batch` rows each start at `rows`.
 Patcher = Callable[[torch.Tensor, list["Run"], list[int], int], None]
@@ -160,7 +163,7 @@ def _forward_chunk(
     n_layers = model.cfg.n_layers
     for layer in range(chunk[0].layer, n_layers):
         entering = [i for i, run in enumerate(chunk) if run.layer == layer]
-        fwd_hooks: list[tuple[str | Callable[..., Any], Callable[..., Any]]] = []
+        point = None
         if entering:
             new = corrupted.residuals[layer][:, pos:].repeat(len(entering), 1, 1)
             first = 0 if residual is None else residual.shape[0]
@@ -177,13 +180,19 @@ def _forward_chunk(
                 patcher(tensor, patched, rows, batch)
                 return tensor
 
-            fwd_hooks.append((hook_name(layer), hook))
+            # Attach to the one hook point directly: model.hooks() would sweep every
+            # hook point of the model on exit, once per layer of every chunk.
+            point = model.hook_dict[hook_name(layer)]
+            point.add_hook(hook, level=_SWEEP_LEVEL)
         assert residual is not None
         cache = _rows_of(prefix, residual.shape[0] // batch, batch)
-        with model.hooks(fwd_hooks=fwd_hooks):
+        try:
             residual = model(
                 residual, start_at_layer=layer, stop_at_layer=layer + 1, past_kv_cache=cache
             )
+        finally:
+            if point is not None:
+                point.remove_hooks(level=_SWEEP_LEVEL)
     logits = model(residual, start_at_layer=n_layers)
     if pos:
         before = corrupted.logits[:, :pos].repeat(len(chunk), 1, 1)

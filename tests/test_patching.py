@@ -169,3 +169,18 @@ def test_errors_name_the_argument() -> None:
         safelens.generic_activation_patch(
             model, corrupted, clean_cache, metric, lambda a, i, c: a, "resid_pre"
         )
+
+
+def test_sweep_removes_only_its_own_hooks() -> None:
+    model, corrupted, clean_cache, metric = setup("rotary-gqa")
+    seen: list[str] = []
+    model.add_hook("blocks.1.attn.hook_k", lambda tensor, hook: seen.append(hook.name))
+    try:
+        safelens.get_act_patch_attn_head_k_by_pos(
+            model, corrupted, clean_cache, metric, progress=False
+        )
+        assert len(model.hook_dict["blocks.1.attn.hook_k"].fwd_hooks) == 1
+        assert seen  # the user's hook saw the sweep's forward passes
+        assert not model.hook_dict["blocks.0.attn.hook_k"].fwd_hooks
+    finally:
+        model.reset_hooks()
