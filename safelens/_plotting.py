@@ -58,9 +58,10 @@ def plot_patching_heatmap(
     if labels is not None and len(labels) != width:
         raise PatchingError(f"labels has {len(labels)} entries; the result has {width} positions")
     matplotlib.use("Agg")
-    columns = min(n_panels, 4)
+    columns = min(n_panels, 2)
     rows = math.ceil(n_panels / columns)
-    figure = Figure(figsize=(1.0 + 0.4 * width * columns, 1.2 + 0.5 * n_layers * rows))
+    panel_width, panel_height = 1.5 + 0.3 * width, 1.6 + 0.4 * n_layers
+    figure = Figure(figsize=(panel_width * columns, panel_height * rows + 0.6))
     limit = float(data.abs().max()) or 1.0
     for panel in range(n_panels):
         ax = figure.add_subplot(rows, columns, panel + 1)
