@@ -157,6 +157,19 @@ def add_hook(
 
     **Raises:** [`HookError`][safelens.HookError] for an unknown name (listing near
     matches) or a layer the cache lacks; nothing is attached then.
+
+    ```python
+    >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
+    >>> model = HookedTransformer(HookedTransformerConfig(n_layers=2, d_model=16, n_ctx=32, d_head=8, d_vocab=20, act_fn="gelu"))
+    >>> cache = KeyValueCache.init_cache(model.cfg, "cpu")
+    >>> add_hook(model, cache, lambda name: name.endswith("hook_k_full"), lambda k, hook: k * 0)
+    >>> [name for name, point in cache.hook_points().items() if point.fwd_hooks]
+    ['blocks.0.kv_cache.hook_k_full', 'blocks.1.kv_cache.hook_k_full']
+    >>> reset_hooks(model, cache)
+    >>> any(point.fwd_hooks for point in cache.hook_points().values())
+    False
+
+    ```
     """
     model_names, cache_names = _resolve(model, name)
     points = [_cache_point(cache, n) for n in cache_names]
@@ -177,7 +190,8 @@ def reset_hooks(
 ) -> None:
     """Remove temporary hooks from the model and the cache (all, with `including_permanent`).
 
-    With `level`, only temporary hooks added at that context level are removed.
+    With `level`, only temporary hooks added at that context level are removed. See
+    [`add_hook`][safelens.add_hook] for an example.
     """
     model.reset_hooks(clear_contexts, "both", including_permanent, level)
     for point in cache.hook_points().values():
