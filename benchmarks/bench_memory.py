@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 from collections.abc import Iterable
+from typing import Literal
 
 import torch
 from transformer_lens import HookedTransformer
@@ -63,62 +64,41 @@ def _tl_continuations(
     return torch.cat(logits), _unique_bytes(t for c in caches for t in _tl_tensors(c))
 
 
-def _compare(
+def _row(
     model: HookedTransformer,
     ours: KeyValueCache,
     theirs: TransformerLensKeyValueCache,
     n: int,
     prefix_bytes: int,
+    branching: Literal["expand", "fork"],
 ) -> Row:
+    """Bytes held by `n` continuations branched from `ours`, against `n` TL caches."""
     continuations = torch.randint(0, model.cfg.d_vocab, (n, NEW_TOKENS), generator=_seeded(n))
-    expanded = ours.expand(n)
-    logits = model(continuations, past_kv_cache=expanded, attention_mask=_ones(n, NEW_TOKENS))
-    ours_bytes = _unique_bytes(_safelens_tensors(expanded))
-    reference, tl_bytes = _tl_continuations(model, theirs, continuations)
-    difference = (logits - reference).abs().max().item()
-    shared = ours.storages() <= expanded.storages()
-    return Row(
-        job=f"{n} continuations of {NEW_TOKENS} tokens, expand({n})",
-        safelens=ours_bytes,
-        reference=tl_bytes,
-        unit="bytes",
-        agree=difference <= TOLERANCE and shared,
-        target=TARGET,
-        note=(
-            f"prefix {prefix_bytes} bytes held once vs {n}×; max abs logit diff {difference:.1e}"
-        ),
-        group="continuations",
-        x=n,
-    )
-
-
-def _forks(
-    model: HookedTransformer,
-    ours: KeyValueCache,
-    theirs: TransformerLensKeyValueCache,
-    n: int,
-    prefix_bytes: int,
-) -> Row:
-    continuations = torch.randint(0, model.cfg.d_vocab, (n, NEW_TOKENS), generator=_seeded(n))
-    branches = [ours.fork() for _ in range(n)]
+    if branching == "expand":
+        branches, inputs = [ours.expand(n)], [continuations]
+    else:
+        branches, inputs = [ours.fork() for _ in range(n)], list(continuations[:, None])
     logits = torch.cat(
         [
-            model(row[None], past_kv_cache=branch, attention_mask=_ones(1, NEW_TOKENS))
-            for row, branch in zip(continuations, branches, strict=True)
+            model(tokens, past_kv_cache=branch, attention_mask=_ones(*tokens.shape))
+            for tokens, branch in zip(inputs, branches, strict=True)
         ]
     )
     ours_bytes = _unique_bytes(t for b in branches for t in _safelens_tensors(b))
     reference, tl_bytes = _tl_continuations(model, theirs, continuations)
     difference = (logits - reference).abs().max().item()
     shared = all(ours.storages() <= branch.storages() for branch in branches)
+    how = f"expand({n})" if branching == "expand" else f"{n} forks"
     return Row(
-        job=f"{n} continuations of {NEW_TOKENS} tokens, {n} forks",
+        job=f"{n} continuations of {NEW_TOKENS} tokens, {how}",
         safelens=ours_bytes,
         reference=tl_bytes,
         unit="bytes",
         agree=difference <= TOLERANCE and shared,
         target=TARGET,
         note=f"prefix {prefix_bytes} bytes held once vs {n}×; max abs logit diff {difference:.1e}",
+        group="continuations" if branching == "expand" else "",
+        x=n if branching == "expand" else None,
     )
 
 
@@ -139,8 +119,8 @@ def run(quick: bool = False) -> list[Row]:
         model(prompt, past_kv_cache=theirs, attention_mask=_ones(1, prefix_length))
         theirs.freeze()
         prefix_bytes = _unique_bytes(_safelens_tensors(ours))
-        rows = [_compare(model, ours, theirs, n, prefix_bytes) for n in (1, 8, 32, 128)]
-        rows.append(_forks(model, ours, theirs, 32, prefix_bytes))
+        rows = [_row(model, ours, theirs, n, prefix_bytes, "expand") for n in (1, 8, 32, 128)]
+        rows.append(_row(model, ours, theirs, 32, prefix_bytes, "fork"))
     for row in rows:
         row.job = f"P={prefix_length}: {row.job}"
     return rows
