@@ -40,6 +40,7 @@ from ._patching import (
 )
 from ._plotting import plot_patching_heatmap
 from ._prefix import ContinuationScores, Prefix, prefill, score_continuations
+from ._shared_attention import shared_prefix_attention
 from ._values import concat_values, shape_of
 
 TransformerLensKeyValueCache = KeyValueCache
@@ -67,6 +68,7 @@ __all__ = [
     "ContinuationScores",
     "prefill",
     "score_continuations",
+    "shared_prefix_attention",
     "Generation",
     "generate",
     "sample_logits",

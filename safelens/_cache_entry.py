@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from jaxtyping import Float
 
-from ._errors import CacheShapeError
+from ._errors import CacheShapeError, FrozenCacheError
 from ._frozen import FrozenFlag
 from ._hook_point import CacheHookPoint
 from ._storage import Sequence
@@ -255,12 +255,7 @@ class KeyValueCacheEntry:
             and dim in (_POS, _POS - self._keys.template.dim())
         ):
             return self._append_plain(keys, values, dim)
-        new_keys = self._fit("keys", keys, self._keys)
-        new_values = self._fit("values", values, self._values)
-        if self.hook_k_new.fwd_hooks:
-            new_keys = self.hook_k_new(new_keys)
-        if self.hook_v_new.fwd_hooks:
-            new_values = self.hook_v_new(new_values)
+        new_keys, new_values = self._new(keys, values)
         if self._frozen:
             full_keys = self._keys.joined(new_keys)
             full_values = self._values.joined(new_values)
@@ -274,6 +269,57 @@ class KeyValueCacheEntry:
             self._keys.restore(before[0])
             self._values.restore(before[1])
             raise
+
+    def _new(self, keys: Any, values: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """New keys and values fitted to the cache, through `hook_k_new`/`hook_v_new`."""
+        assert isinstance(self._keys, Sequence) and isinstance(self._values, Sequence)
+        new_keys = self._fit("keys", keys, self._keys)
+        new_values = self._fit("values", values, self._values)
+        if self.hook_k_new.fwd_hooks:
+            new_keys = self.hook_k_new(new_keys)
+        if self.hook_v_new.fwd_hooks:
+            new_values = self.hook_v_new(new_values)
+        return new_keys, new_values
+
+    @property
+    def reads_in_pieces(self) -> bool:
+        """Whether [`frozen_pieces`][safelens.KeyValueCacheEntry.frozen_pieces] may be used.
+
+        True for a frozen entry of tensors whose `hook_k_full`/`hook_v_full` have no hooks.
+        """
+        return (
+            bool(self._frozen)
+            and isinstance(self._keys, Sequence)
+            and isinstance(self._values, Sequence)
+            and not self.hook_k_full.fwd_hooks
+            and not self.hook_v_full.fwd_hooks
+        )
+
+    def frozen_pieces(
+        self,
+        keys: Float[torch.Tensor, "batch new_tokens n_heads d_head"],
+        values: Float[torch.Tensor, "batch new_tokens n_heads d_head"],
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """What a frozen `append` would join, left unjoined: the stored pieces, then the new.
+
+        A piece may be a batch-1 tensor broadcast to the batch (`cache.expand(n)`), which
+        attention can read once instead of once per row. `hook_k_new`/`hook_v_new` fire
+        as in [`append`][safelens.KeyValueCacheEntry.append]; nothing is stored.
+
+        **Returns:** `(key_pieces, value_pieces)`, each ending with the new tensor.
+
+        **Raises:** `FrozenCacheError` unless
+        [`reads_in_pieces`][safelens.KeyValueCacheEntry.reads_in_pieces].
+        """
+        if not self.reads_in_pieces:
+            raise FrozenCacheError(
+                f"{self._where()}: frozen_pieces needs a frozen entry of tensors with no "
+                "hooks on hook_k_full/hook_v_full (they see the joined tensors); use append"
+            )
+        new_keys, new_values = self._new(keys, values)
+        stored_keys = tuple(p for p in self._keys.pieces() if p.shape[_POS])
+        stored_values = tuple(p for p in self._values.pieces() if p.shape[_POS])
+        return stored_keys + (new_keys,), stored_values + (new_values,)
 
     def _read_hooks(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[Any, Any]:
         if self.hook_k_full.fwd_hooks:

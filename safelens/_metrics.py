@@ -6,6 +6,11 @@ input, and returns `[runs]`. The sweeps call it once per forward pass, which is 
 makes them fast; a TransformerLens-style metric (one run's logits to a scalar) is
 called once per run instead. With `batch == 1` a batched metric is also a valid
 TransformerLens metric: it returns one value for one run.
+
+A metric that reads only the logits at the last position may say so with an attribute
+`last_position_only = True` (as [`logit_diff_metric`][safelens.logit_diff_metric]'s
+does). The sweeps then pass it `[runs * batch, 1, d_vocab]`, and skip the unembedding
+of every other position and, where the patch site allows, the last layer's MLP there.
 """
 
 from __future__ import annotations
@@ -48,7 +53,9 @@ def logit_diff_metric(
     - `answer_token`, `wrong_token`: the right and wrong next token, one for all
       prompts or one per prompt `[batch]`.
 
-    **Returns:** a batched metric, logits `[runs * batch, pos, d_vocab]` to `[runs]`.
+    **Returns:** a batched metric, logits `[runs * batch, pos, d_vocab]` to `[runs]`. It
+    reads only the last position and says so (`metric.last_position_only` is `True`), so
+    the sweeps hand it just that position's logits, `[runs * batch, 1, d_vocab]`.
 
     **Raises:** [`PatchingError`][safelens.PatchingError] when the two logits'
     shapes differ or the tokens do not fit the batch.
@@ -72,20 +79,35 @@ def logit_diff_metric(
     right = _answers(answer_token, batch, "answer_token").to(device)
     wrong = _answers(wrong_token, batch, "wrong_token").to(device)
 
-    def difference(logits: torch.Tensor) -> torch.Tensor:
-        last = logits[:, -1].reshape(-1, batch, logits.shape[-1])
-        rows = torch.arange(batch, device=logits.device)
-        return (last[:, rows, right] - last[:, rows, wrong]).mean(dim=1)
+    return _LogitDiff(batch, right, wrong)._normalised(clean_logits, corrupted_logits)
 
-    clean_diff = difference(clean_logits)
-    corrupted_diff = difference(corrupted_logits)
 
-    def metric(logits: Float[torch.Tensor, "rows pos d_vocab"]) -> Float[torch.Tensor, " runs"]:
-        if logits.dim() != 3 or logits.shape[0] % batch:
+class _LogitDiff:
+    """The batched metric `logit_diff_metric` returns (reads the last position only)."""
+
+    last_position_only = True
+
+    def __init__(self, batch: int, right: torch.Tensor, wrong: torch.Tensor) -> None:
+        self.batch = batch
+        self.right = right
+        self.wrong = wrong
+        self.clean = self.corrupted = torch.zeros(())
+
+    def _normalised(self, clean: torch.Tensor, corrupted: torch.Tensor) -> _LogitDiff:
+        self.clean, self.corrupted = self._difference(clean), self._difference(corrupted)
+        return self
+
+    def _difference(self, logits: torch.Tensor) -> torch.Tensor:
+        last = logits[:, -1].reshape(-1, self.batch, logits.shape[-1])
+        rows = torch.arange(self.batch, device=logits.device)
+        return (last[:, rows, self.right] - last[:, rows, self.wrong]).mean(dim=1)
+
+    def __call__(
+        self, logits: Float[torch.Tensor, "rows pos d_vocab"]
+    ) -> Float[torch.Tensor, " runs"]:
+        if logits.dim() != 3 or logits.shape[0] % self.batch:
             raise PatchingError(
                 f"logits of shape {tuple(logits.shape)} are not [runs * batch, pos, d_vocab] "
-                f"for batch={batch}"
+                f"for batch={self.batch}"
             )
-        return (difference(logits) - corrupted_diff) / (clean_diff - corrupted_diff)
-
-    return metric
+        return (self._difference(logits) - self.corrupted) / (self.clean - self.corrupted)

@@ -33,7 +33,7 @@ from transformer_lens import ActivationCache, HookedTransformer
 from transformer_lens.utilities import get_act_name
 
 from ._errors import PatchingError
-from ._patch_grid import CorruptedRun, Run, sweep
+from ._patch_grid import CorruptedRun, Patcher, Run, sweep
 
 __all__ = [
     "generic_activation_patch",
@@ -128,11 +128,12 @@ class _Sweep:
         self,
         runs: list[Run],
         shape: tuple[int, ...],
-        patcher: Callable[[torch.Tensor, list[Run], list[int], int], None],
+        patcher: Patcher,
         metric: Metric,
         max_batch: int | None,
         max_bytes: int,
         progress: bool,
+        single_position: bool = False,
     ) -> torch.Tensor:
         if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
             raise PatchingError(f"max_batch must be a positive int or None, got {max_batch!r}")
@@ -148,6 +149,7 @@ class _Sweep:
             max_batch,
             max_bytes,
             progress,
+            single_position,
         )
 
 
@@ -162,21 +164,25 @@ def _row_index(sweep: _Sweep, runs: list[Run], rows: list[int]) -> tuple[torch.T
 
 
 def _by_pos_patcher(sweep: _Sweep, with_head: bool) -> Callable[..., None]:
-    def patch(tensor: torch.Tensor, runs: list[Run], rows: list[int], batch: int) -> None:
+    def patch(
+        tensor: torch.Tensor, runs: list[Run], rows: list[int], batch: int, start: int
+    ) -> None:
         row, clean_row, layer, pos, *head = _row_index(sweep, runs, rows)
         clean = sweep.clean[runs[0].layer]
         if with_head:
-            tensor[row, 0, head[0]] = clean[clean_row, pos, head[0]]
+            tensor[row, pos - start, head[0]] = clean[clean_row, pos, head[0]]
         else:
-            tensor[row, 0] = clean[clean_row, pos]
+            tensor[row, pos - start] = clean[clean_row, pos]
 
     return patch
 
 
 def _all_pos_patcher(sweep: _Sweep) -> Callable[..., None]:
-    def patch(tensor: torch.Tensor, runs: list[Run], rows: list[int], batch: int) -> None:
+    def patch(
+        tensor: torch.Tensor, runs: list[Run], rows: list[int], batch: int, start: int
+    ) -> None:
         row, clean_row, layer, head = _row_index(sweep, runs, rows)
-        tensor[row, :, head] = sweep.clean[runs[0].layer][clean_row, :, head]
+        tensor[row, :, head] = sweep.clean[runs[0].layer][clean_row, start:, head]
 
     return patch
 
@@ -215,7 +221,7 @@ def _patch(
         shape += (sweep.heads(),)
     runs = _grid_runs(shape, 1 if by_pos else None)
     patcher = _by_pos_patcher(sweep, with_head) if by_pos else _all_pos_patcher(sweep)
-    return sweep.run(runs, shape, patcher, patching_metric, max_batch, max_bytes, progress)
+    return sweep.run(runs, shape, patcher, patching_metric, max_batch, max_bytes, progress, by_pos)
 
 
 def generic_activation_patch(
@@ -291,14 +297,16 @@ def generic_activation_patch(
         index = tuple(int(i) for i in row)
         runs.append(Run(index[0], index[pos_column] if pos_column is not None else 0, slot, index))
 
-    def patch(tensor: torch.Tensor, runs: list[Run], rows: list[int], batch: int) -> None:
+    def patch(
+        tensor: torch.Tensor, runs: list[Run], rows: list[int], batch: int, start: int
+    ) -> None:
         layer = runs[0].layer
         before = sweep.corrupted.activations[sweep.hook_name(layer)]
         for run, row in zip(runs, rows, strict=True):
             own = tensor[row : row + batch]
-            full = torch.cat([before[:, : run.pos], own], dim=1)
+            full = torch.cat([before[:, :start], own], dim=1)
             patched = patch_setter(full, list(run.index), sweep.clean[layer])
-            own.copy_(patched[:, run.pos :])
+            own.copy_(patched[:, start:])
 
     result = sweep.run(runs, shape, patch, patching_metric, max_batch, max_bytes, progress)
     return (result, index_df) if return_index_df else result

@@ -9,9 +9,11 @@ then scores many continuations of that prefix in batches, broadcasting the prefi
 each batch without copying it (`cache.expand(n)`), right-padding ragged continuations
 under an attention mask.
 
-Caveat on memory: each batch row still materialises the prefix's keys and values inside
-attention for one layer at a time (as TransformerLens does); `memory_budget` and
-`batch_size` bound how many rows run at once. The stored prefix is never written: it
+Each batch runs under [`shared_prefix_attention`][safelens.shared_prefix_attention], so
+attention reads the prefix's keys and values once per layer rather than once per row.
+Caveat on memory: the attention scores against the prefix still take `rows * n_heads *
+new_tokens * pos` values per layer; `memory_budget` and `batch_size` bound how many
+rows run at once. The stored prefix is never written: it
 stays frozen and bitwise unchanged.
 """
 
@@ -27,6 +29,7 @@ from jaxtyping import Float, Int
 from ._cache import KeyValueCache
 from ._config import CacheDimensions
 from ._errors import CacheShapeError
+from ._shared_attention import shared_prefix_attention
 
 __all__ = ["Prefix", "ContinuationScores", "prefill", "score_continuations"]
 
@@ -343,7 +346,7 @@ def score_continuations(
             mask[j, : lengths[index]] = 1
         cache = prefix.cache.expand(len(picked))
         cache.freeze()
-        with torch.no_grad():
+        with torch.no_grad(), shared_prefix_attention(model):
             logits = model(tokens, attention_mask=mask, past_kv_cache=cache)
         scores = torch.empty(len(picked), width, dtype=torch.float32, device=device)
         scores[:, 0] = first[tokens[:, 0]]

@@ -43,11 +43,29 @@ CASES = [("rotary-gqa", name) for name in SWEEPS] + [
 
 @pytest.mark.parametrize(("kind", "name"), CASES)
 def test_sweep_equals_transformer_lens(kind: str, name: str) -> None:
-    model, corrupted, clean_cache, metric = setup(kind, length=4)
+    model, corrupted, clean_cache, metric = setup(kind, length=6)
     expected = getattr(tl_patching, name)(model, corrupted, clean_cache, metric)
     result = getattr(safelens, name)(model, corrupted, clean_cache, metric, progress=False)
     assert result.shape == expected.shape
     assert result.dtype == expected.dtype and result.device == expected.device
+    assert expected.std() > 0
+    torch.testing.assert_close(result, expected, atol=1e-4, rtol=0)
+
+
+def every_position(logits: torch.Tensor) -> torch.Tensor:
+    """A batched metric that reads the logits at every position (no shortcut declared)."""
+    return logits[..., 3].sum(-1) - logits[..., 5].mean(-1)
+
+
+@pytest.mark.parametrize(("kind", "name"), CASES)
+def test_sweep_with_a_metric_of_every_position_equals_transformer_lens(
+    kind: str, name: str
+) -> None:
+    model, corrupted, clean_cache, _ = setup(kind, length=6)
+    expected = getattr(tl_patching, name)(model, corrupted, clean_cache, every_position)
+    result = getattr(safelens, name)(
+        model, corrupted, clean_cache, every_position, progress=False
+    )
     assert expected.std() > 0
     torch.testing.assert_close(result, expected, atol=1e-4, rtol=0)
 
