@@ -247,16 +247,24 @@ def hooks(
     ]
     model.context_level += 1
     level = model.context_level
+    touched: list[Any] = []
     try:
         for model_names, points, fn in attach:
             for model_name in model_names:
-                model.hook_dict[model_name].add_hook(fn, dir="fwd", level=level)
+                touched.append(model.hook_dict[model_name])
+                touched[-1].add_hook(fn, dir="fwd", level=level)
             for point in points:
+                touched.append(point)
                 point.add_hook(fn, level=level)
         yield model
     finally:
-        if reset_hooks_end:
+        if reset_hooks_end and clear_contexts:
             reset_hooks(model, cache, clear_contexts, including_permanent=False, level=level)
+        elif reset_hooks_end:
+            # Only this block attached hooks at `level`, and only to `touched`: removing
+            # them there spares a sweep of every hook point of the model on each pass.
+            for point in touched:
+                point.remove_hooks(level=level)
         model.context_level -= 1
 
 
