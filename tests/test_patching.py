@@ -63,9 +63,7 @@ def test_sweep_with_a_metric_of_every_position_equals_transformer_lens(
 ) -> None:
     model, corrupted, clean_cache, _ = setup(kind, length=6)
     expected = getattr(tl_patching, name)(model, corrupted, clean_cache, every_position)
-    result = getattr(safelens, name)(
-        model, corrupted, clean_cache, every_position, progress=False
-    )
+    result = getattr(safelens, name)(model, corrupted, clean_cache, every_position, progress=False)
     assert expected.std() > 0
     torch.testing.assert_close(result, expected, atol=1e-4, rtol=0)
 
@@ -202,3 +200,29 @@ def test_sweep_removes_only_its_own_hooks() -> None:
         assert not model.hook_dict["blocks.0.attn.hook_k"].fwd_hooks
     finally:
         model.reset_hooks()
+
+
+class LastPositionRecorder:
+    """`logit_diff_metric` that records the logits' shapes it is given."""
+
+    def __init__(self, metric, last_position_only) -> None:
+        self.metric = metric
+        self.last_position_only = last_position_only
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        self.shapes.add(tuple(logits.shape[1:]))
+        return self.metric(logits)
+
+
+@pytest.mark.parametrize("name", SWEEPS)
+def test_a_declared_last_position_metric_gets_only_the_last_position(name: str) -> None:
+    model, corrupted, clean_cache, metric = setup("rotary-gqa", length=6)
+    expected = getattr(tl_patching, name)(model, corrupted, clean_cache, metric)
+    declared = LastPositionRecorder(metric, True)
+    result = getattr(safelens, name)(model, corrupted, clean_cache, declared, progress=False)
+    torch.testing.assert_close(result, expected, atol=1e-4, rtol=0)
+    assert declared.shapes == {(1, model.cfg.d_vocab)}
+    undeclared = LastPositionRecorder(metric, "yes")  # only True declares it
+    getattr(safelens, name)(model, corrupted, clean_cache, undeclared, progress=False)
+    assert undeclared.shapes == {(6, model.cfg.d_vocab)}
