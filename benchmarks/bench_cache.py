@@ -162,10 +162,12 @@ def run(quick: bool = False) -> list[Row]:
         rows += generation_rows(model, 64, 16, repeats=3)
         lengths, new_tokens = [32, 64, 128], 8
     else:
-        rows += generation_rows(model, 1024, 512, repeats=3)
+        rows += generation_rows(model, 1024, 512, repeats=5)
         lengths, new_tokens = [256, 1024, 2048], 128
     for length in lengths:
-        rows += generation_rows(model, length, new_tokens, repeats=3, group="prompt length")
+        rows += generation_rows(
+            model, length, new_tokens, repeats=3 if quick else 5, group="prompt length"
+        )
     return rows
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
+
 import pandas as pd
 import torch
 import transformer_lens.patching as tl_patching

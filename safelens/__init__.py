@@ -3,6 +3,7 @@
 from ._ablation import Ablation, ablate_read, ablate_write
 from ._cache import KeyValueCache
 from ._cache_entry import KeyValueCacheEntry
+from ._capture import run_with_cache_capture
 from ._config import CacheDimensions, parse_dtype
 from ._errors import (
     CacheConfigError,
@@ -20,7 +21,6 @@ from ._hooks import (
     cache_hook_names,
     hooks,
     reset_hooks,
-    run_with_cache_capture,
     run_with_hooks,
 )
 from ._metrics import logit_diff_metric

@@ -6,9 +6,8 @@ Here the same list may also name the cache's hook points,
 [`hooks`][safelens.hooks] splits it, sending model names to the model's hook points and
 cache names to the cache entries' [`CacheHookPoint`][safelens.CacheHookPoint]s, and
 removes the temporary ones on exit, also on error.
-[`run_with_hooks`][safelens.run_with_hooks] runs one forward pass that way and
-[`run_with_cache_capture`][safelens.run_with_cache_capture] collects what the cache hook
-points saw.
+[`run_with_hooks`][safelens.run_with_hooks] runs one forward pass that way (and
+`safelens._capture` collects what the cache hook points saw).
 
 Caveats:
 
@@ -49,16 +48,13 @@ __all__ = [
     "cache_hook_names",
     "hooks",
     "reset_hooks",
-    "run_with_cache_capture",
     "run_with_hooks",
 ]
 
 NamesFilter = str | Seq[str] | Callable[[str], bool]
 FwdHooks = Seq[tuple[NamesFilter, HookFunction]]
-Indices = int | Seq[int] | torch.Tensor
 
 _POINTS = ("hook_k_new", "hook_v_new", "hook_k_full", "hook_v_full")
-_POS, _HEADS = 1, 2
 
 
 def cache_hook_names(n_layers: int) -> list[str]:
@@ -399,90 +395,3 @@ def run_with_hooks(
         shortformer_pos_embed=shortformer_pos_embed,
     )
     return _forward(model, input, cache, fwd_hooks, forward_args, reset_hooks_end, clear_contexts)
-
-
-def _index(indices: Indices, size: int, what: str, name: str) -> torch.Tensor:
-    index = torch.as_tensor([indices] if isinstance(indices, int) else indices).reshape(-1)
-    if index.dtype in (torch.bool, torch.float16, torch.float32, torch.float64):
-        raise HookError(f"{what} must be ints, got {indices!r}")
-    if index.numel() and not (-size <= int(index.min()) and int(index.max()) < size):
-        raise HookError(
-            f"{what} {index.tolist()} out of range for {name!r}, which sees {size} "
-            f"{'positions' if what == 'positions' else 'KV heads'}"
-        )
-    return index % size
-
-
-def run_with_cache_capture(
-    model: HookedTransformer,
-    input: Any,
-    *,
-    cache: KeyValueCache,
-    names: NamesFilter | None = None,
-    positions: Indices | None = None,
-    heads: Indices | None = None,
-    fwd_hooks: FwdHooks = (),
-    attention_mask: torch.Tensor | None = None,
-    return_type: str | None = "logits",
-    start_at_layer: int | None = None,
-    stop_at_layer: int | None = None,
-) -> tuple[Any, dict[str, torch.Tensor]]:
-    """Run one forward pass through `cache` and collect what its hook points saw.
-
-    Capture hooks run after `fwd_hooks`, so they see patched tensors: for `hook_*_new`,
-    exactly what is stored; for `hook_*_full`, exactly what attention reads.
-
-    **Arguments:**
-
-    - `model`, `input`, `cache`, `fwd_hooks`, `attention_mask`, `return_type`,
-      `start_at_layer`, `stop_at_layer`: as in [`run_with_hooks`][safelens.run_with_hooks].
-    - `names`: cache hook names to capture (a name, a list, or a predicate); `None` for
-      all of them.
-    - `positions`: keep only these indices of the `pos` axis each hook sees (absolute
-      positions for `hook_*_full`; indices among the new tokens for `hook_*_new`).
-    - `heads`: keep only these KV heads.
-
-    **Returns:** `(output, captured)`, `captured[name]` a detached clone
-    `[batch, pos, n_kv_heads, d_head]` (selected positions/heads only, axes kept).
-
-    **Raises:** [`HookError`][safelens.HookError] for an unknown or model hook name, or
-    positions/heads out of range; the cache is then unchanged.
-
-    ```python
-    >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
-    >>> model = HookedTransformer(HookedTransformerConfig(n_layers=2, d_model=16, n_ctx=8,
-    ...     d_head=4, n_heads=4, d_vocab=10, act_fn="relu"))
-    >>> _, captured = run_with_cache_capture(model, torch.tensor([[1, 2, 3]]),
-    ...     cache=KeyValueCache(), names=lambda name: name.endswith("hook_k_full"),
-    ...     positions=[0, -1], heads=1)
-    >>> {name: tuple(t.shape) for name, t in captured.items()}
-    {'blocks.0.kv_cache.hook_k_full': (1, 2, 1, 4), 'blocks.1.kv_cache.hook_k_full': (1, 2, 1, 4)}
-
-    ```
-    """
-    chosen = (
-        cache_hook_names(model.cfg.n_layers) if names is None else _resolve(model, names, True)[1]
-    )
-    n_kv_heads = CacheDimensions.of(model.cfg).n_kv_heads
-    head_index = None if heads is None else _index(heads, n_kv_heads, "heads", "the cache")
-    captured: dict[str, torch.Tensor] = {}
-
-    def save(tensor: torch.Tensor, hook: CacheHookPoint) -> None:
-        kept = tensor.detach()
-        if positions is not None:
-            kept = kept.index_select(
-                _POS, _index(positions, kept.shape[_POS], "positions", hook.name).to(kept.device)
-            )
-        if head_index is not None:
-            kept = kept.index_select(_HEADS, head_index.to(kept.device))
-        captured[hook.name] = kept.clone()
-
-    forward_args = dict(
-        attention_mask=attention_mask,
-        return_type=return_type,
-        start_at_layer=start_at_layer,
-        stop_at_layer=stop_at_layer,
-    )
-    all_hooks = list(fwd_hooks) + ([(chosen, save)] if chosen else [])
-    output = _forward(model, input, cache, all_hooks, forward_args, True, False)
-    return output, captured
