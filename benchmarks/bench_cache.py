@@ -166,7 +166,7 @@ def run(quick: bool = False) -> list[Row]:
         lengths, new_tokens = [256, 1024, 2048], 128
     for length in lengths:
         rows += generation_rows(
-            model, length, new_tokens, repeats=3 if quick else 5, group="prompt length"
+            model, length, new_tokens, repeats=3 if quick else 9, group="prompt length"
         )
     return rows
 
