@@ -122,6 +122,7 @@ def plot_groups(rows: Iterable[Row], out_dir: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     groups: dict[str, list[Row]] = {}
     for row in rows:
@@ -139,6 +140,9 @@ def plot_groups(rows: Iterable[Row], out_dir: Path) -> list[Path]:
         axes.plot(xs, [r.reference for r in members], "s--", label="TransformerLens way")
         if _log_axis(xs):
             axes.set_xscale("log")
+            # Label the measured x values themselves; log-axis minor labels overlap.
+            axes.xaxis.set_minor_formatter(NullFormatter())
+        axes.set_xticks(xs, labels=[f"{x:g}" for x in xs])
         if _log_axis([r.safelens for r in members] + [r.reference for r in members]):
             axes.set_yscale("log")
         axes.set_xlabel(group)
