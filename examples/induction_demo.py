@@ -100,13 +100,14 @@ def locate(model: HookedTransformer, seed: int, out: Path) -> str:
         corrupted_logits = model(corrupted)
     metric = safelens.logit_diff_metric(clean_logits, corrupted_logits, answer, wrong)
     labels = [str(t) for t in clean[0].tolist()]
-    lines = []
+    lines, peaks = [], {}
     for name, sweep in (
         ("keys", safelens.get_act_patch_attn_head_k_by_pos),
         ("values", safelens.get_act_patch_attn_head_v_by_pos),
     ):
         with torch.no_grad():
             result = sweep(model, corrupted, clean_cache, metric, progress=False)
+        peaks[name] = float(result.abs().max())
         path = out / f"patching_{name}_by_pos.png"
         safelens.plot_patching_heatmap(
             result, labels=labels, title=f"patching clean {name} into the corrupted run", path=path
@@ -115,6 +116,14 @@ def locate(model: HookedTransformer, seed: int, out: Path) -> str:
         lines.append(
             f"  {name:6}: strongest at layer {layer}, head {head}, position {pos} "
             f"(metric {result[layer, pos, head].item():+.2f})  -> {path}"
+        )
+    if peaks["keys"] < 0.25 * peaks["values"]:
+        # The corruption changes which token the first copy holds, not the token before
+        # it that induction matches on: where attention looks is unchanged, what it
+        # copies is not.
+        lines.append(
+            "  the corruption changes what the continuation copies (values), "
+            "not where its attention looks (keys)"
         )
     return "\n".join(lines)
 
