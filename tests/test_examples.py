@@ -16,17 +16,21 @@ DEMO = ROOT / "examples" / "induction_demo.py"
 SCRIPTS = sorted(s for s in (ROOT / "examples").glob("*.py") if s != DEMO)
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
-def test_example_runs(script: Path, tmp_path: Path) -> None:
+def _run(script: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+def test_example_runs(script: Path, tmp_path: Path) -> None:
+    result = _run(script, cwd=tmp_path)
     assert result.returncode == 0, (
         f"{script.name} exited {result.returncode}\n"
         f"--- stdout ---\n{result.stdout[-3000:]}\n--- stderr ---\n{result.stderr[-3000:]}"
@@ -36,15 +40,8 @@ def test_example_runs(script: Path, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_induction_demo_finds_the_mechanism(tmp_path: Path) -> None:
     """The main job's summary reports a solved task, an unchanged prefix, exact replays."""
-    env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(ROOT)}
     out = tmp_path / "figures"
-    result = subprocess.run(
-        [sys.executable, str(DEMO), "--out", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = _run(DEMO, "--out", str(out), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = result.stdout
     accuracy = float(summary.split("repeat accuracy ")[1].split()[0])
