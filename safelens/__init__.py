@@ -13,6 +13,7 @@ from ._errors import (
     HookError,
     PatchingError,
     SafelensError,
+    TokenError,
 )
 from ._generation import Generation, generate, sample_logits
 from ._hook_point import CacheHookPoint
@@ -98,4 +99,5 @@ __all__ = [
     "CacheFileError",
     "HookError",
     "FrozenCacheError",
+    "TokenError",
 ]

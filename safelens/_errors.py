@@ -16,6 +16,7 @@ __all__ = [
     "HookError",
     "FrozenCacheError",
     "PatchingError",
+    "TokenError",
 ]
 
 
@@ -45,3 +46,7 @@ class FrozenCacheError(SafelensError, RuntimeError):
 
 class PatchingError(SafelensError, ValueError):
     """A patching sweep got a metric, grid or activation it cannot use."""
+
+
+class TokenError(SafelensError, ValueError):
+    """Token ids of the wrong dtype or rank, outside `[0, d_vocab)`, or past `n_ctx`."""
