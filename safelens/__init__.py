@@ -22,7 +22,6 @@ from ._hooks import (
     cache_hook_names,
     hooks,
     reset_hooks,
-    run_with_hooks,
 )
 from ._metrics import logit_diff_metric
 from ._patching import (
@@ -41,6 +40,7 @@ from ._patching import (
 )
 from ._plotting import plot_patching_heatmap
 from ._prefix import ContinuationScores, Prefix, prefill, score_continuations
+from ._run import run_with_hooks
 from ._shared_attention import shared_prefix_attention
 from ._values import concat_values, shape_of
 

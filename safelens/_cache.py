@@ -51,15 +51,59 @@ def _shown(value: Any) -> Any:
     return value.view() if isinstance(value, Sequence) else value
 
 
+def _check_layout(entries: dict[int, KeyValueCacheEntry], mask: Any) -> None:
+    """Refuse entries and a mask that cannot be one cache: every layer one batch and length."""
+    sized = {
+        layer: shape_of(entry.keys)
+        for layer, entry in entries.items()
+        if isinstance(entry.keys, torch.Tensor) and entry.keys.dim() >= 2
+    }
+    shapes = {layer: (shape[0], shape[1]) for layer, shape in sized.items() if shape}
+    if len(set(shapes.values())) > 1:
+        listed = ", ".join(f"layer {i}: batch={b}, pos={p}" for i, (b, p) in shapes.items())
+        raise CacheShapeError(
+            f"entries do not fit one cache: every layer needs the same batch and pos_so_far, "
+            f"got {listed}. Crop or select the entries to one length and batch first"
+        )
+    if mask is None:
+        return
+    mask_shape = shape_of(mask)
+    if mask_shape is None or len(mask_shape) != 2:
+        raise CacheShapeError(
+            f"previous_attention_mask must be [batch, pos_so_far], got "
+            f"{mask_shape if mask_shape is not None else type(mask).__name__}"
+        )
+    if isinstance(mask, torch.Tensor) and (mask.is_floating_point() or mask.is_complex()):
+        raise CacheShapeError(
+            f"previous_attention_mask must hold integer 0/1 values, got dtype {mask.dtype}; "
+            "pass mask.long()"
+        )
+    if shapes:
+        batch, length = next(iter(shapes.values()))
+        if mask_shape != (batch, length):
+            raise CacheShapeError(
+                f"previous_attention_mask of shape {mask_shape} does not fit the entries "
+                f"[batch={batch}, pos_so_far={length}]; the mask needs one column per cached "
+                "position and one row per batch row"
+            )
+
+
 class KeyValueCache:
     """Per-layer keys and values plus the attention mask seen so far.
 
     **Arguments:**
 
     - `entries`: one [`KeyValueCacheEntry`][safelens.KeyValueCacheEntry] per layer, or
-      `None` for a cache whose entries are created on first access (`cache[3]`).
+      `None` for a cache whose entries are created on first access (`cache[3]`). An
+      entry that already belongs to a cache (or appears twice) is taken as a
+      copy-on-write branch of it (`fork`): the other cache never sees this one's appends,
+      and is never relabelled.
     - `previous_attention_mask`: `[batch, pos_so_far]` mask of what is cached, or `None`.
     - `frozen`: start frozen (propagates to every entry).
+
+    **Raises:** [`CacheShapeError`][safelens.CacheShapeError] when the layers' batch or
+    `pos_so_far` differ, or the mask does not have one row per batch row and one column
+    per cached position.
 
     ```python
     >>> cache = KeyValueCache()
@@ -77,15 +121,20 @@ class KeyValueCache:
         previous_attention_mask: Int[torch.Tensor, "batch pos_so_far"] | Any = None,
         frozen: bool = False,
     ) -> None:
-        self._lazy = entries is None
-        self._entries: dict[int, KeyValueCacheEntry] = {}
-        for layer, entry in enumerate(entries or []):
+        if entries is not None and not isinstance(entries, list | tuple):
+            raise TypeError(
+                f"entries must be a list of KeyValueCacheEntry (one per layer) or None, got "
+                f"{type(entries).__name__}"
+            )
+        given = dict(enumerate(entries or []))
+        for layer, entry in given.items():
             if not isinstance(entry, KeyValueCacheEntry):
                 raise TypeError(
                     f"entries[{layer}] must be a KeyValueCacheEntry, got {type(entry).__name__}"
                 )
-            entry.set_layer(layer)
-            self._entries[layer] = entry
+        _check_layout(given, previous_attention_mask)
+        self._lazy = entries is None
+        self._entries = {layer: entry.adopted(layer) for layer, entry in given.items()}
         self._mask = _held(previous_attention_mask)
         self._frozen = False
         if frozen:
@@ -153,7 +202,8 @@ class KeyValueCache:
         if layer < 0:
             raise IndexError(f"layer must be >= 0 in a lazily filled cache, got {layer}")
         if layer not in self._entries:
-            self._entries[layer] = KeyValueCacheEntry(frozen=self._frozen, layer=layer)
+            entry = KeyValueCacheEntry(frozen=self._frozen, layer=layer)
+            self._entries[layer] = entry.adopted(layer)
         return self._entries[layer]
 
     def __len__(self) -> int:
@@ -262,12 +312,28 @@ class KeyValueCache:
 
     # -- branching --------------------------------------------------------------------
 
+    @classmethod
+    def assembled(
+        cls, entries: dict[int, KeyValueCacheEntry], mask: Any, lazy: bool = False
+    ) -> KeyValueCache:
+        """A cache of these entries and mask, unchecked: for internal passes only.
+
+        `ablate_write` recomputes layers from different positions, so its working cache
+        holds layers of different lengths, which the constructor refuses.
+        """
+        result = cls()
+        result._lazy = lazy
+        result._entries = {layer: entry.adopted(layer) for layer, entry in entries.items()}
+        result._mask = _held(mask)
+        return result
+
     def _derived(self, op: Callable[[Sequence], Sequence], name: str) -> KeyValueCache:
         entries = {layer: e.derived(op, name) for layer, e in self._entries.items()}
+        mask = op(self._mask) if isinstance(self._mask, Sequence) else self._mask
         result = KeyValueCache()
         result._lazy = self._lazy
-        result._entries = entries
-        result._mask = op(self._mask) if isinstance(self._mask, Sequence) else self._mask
+        result._entries = {layer: entry.adopted(layer) for layer, entry in entries.items()}
+        result._mask = mask
         return result
 
     def fork(self) -> KeyValueCache:

@@ -49,6 +49,30 @@ def _one_of(name: str, value: Any, alias: str, alias_value: Any) -> Any:
     return value if value is not None else alias_value
 
 
+def _check_pair(keys: Any, values: Any, where: str) -> None:
+    """Refuse keys and values that cannot be one layer's cache (see the constructor)."""
+    if (keys is None) != (values is None):
+        missing = "values" if values is None else "keys"
+        raise CacheShapeError(
+            f"{where}: {missing} is None but the other is not; pass both keys and values "
+            "(or neither, for an entry that starts empty)"
+        )
+    key_shape, value_shape = shape_of(keys), shape_of(values)
+    if key_shape is None or value_shape is None:
+        return
+    if isinstance(keys, torch.Tensor) != isinstance(values, torch.Tensor):
+        raise CacheShapeError(
+            f"{where}: keys are {type(keys).__name__} but values are "
+            f"{type(values).__name__}; pass both as tensors (or both as the same kind)"
+        )
+    if len(key_shape) != len(value_shape) or key_shape[: _POS + 2] != value_shape[: _POS + 2]:
+        raise CacheShapeError(
+            f"{where}: keys of shape {key_shape} and values of shape {value_shape} do not "
+            "fit one cache; they need the same rank and the same batch, pos and n_heads "
+            "sizes ([batch, pos_so_far, n_kv_heads, d_head])"
+        )
+
+
 def hook_name(layer: int | None, point: str) -> str:
     """The full name of hook point `point` of layer `layer`."""
     return f"kv_cache.{point}" if layer is None else f"blocks.{layer}.kv_cache.{point}"
@@ -89,10 +113,35 @@ class KeyValueCacheEntry:
         past_values: Any = None,
         layer: int | None = None,
     ) -> None:
-        self._keys = _hold(_one_of("keys", keys, "past_keys", past_keys))
-        self._values = _hold(_one_of("values", values, "past_values", past_values))
+        keys = _one_of("keys", keys, "past_keys", past_keys)
+        values = _one_of("values", values, "past_values", past_values)
+        _check_pair(keys, values, "entry" if layer is None else f"layer {layer}")
+        self._keys = _hold(keys)
+        self._values = _hold(values)
         self._frozen = bool(frozen)
+        self._owned = False
         self.set_layer(layer)
+
+    def adopted(self, layer: int) -> KeyValueCacheEntry:
+        """This entry as layer `layer` of a cache: itself if free, else a branch of it.
+
+        An entry no cache holds yet is labelled `layer` and returned. One that a cache
+        already holds is never relabelled or shared: the result is a copy-on-write
+        branch with its own (empty) hook points and the same frozen flag.
+        """
+        if not self._owned:
+            self._owned = True
+            self.set_layer(layer)
+            return self
+        if isinstance(self._keys, Sequence) and isinstance(self._values, Sequence):
+            branch = self.derived(Sequence.fork, "a cache")
+        else:
+            branch = KeyValueCacheEntry()
+            branch._keys, branch._values = self._keys, self._values
+        branch._frozen = self._frozen
+        branch._owned = True
+        branch.set_layer(layer)
+        return branch
 
     def set_layer(self, layer: int | None) -> None:
         """Name this entry layer `layer` (renames its hook points, keeps their hooks)."""
@@ -249,12 +298,21 @@ class KeyValueCacheEntry:
         **Raises:** [`CacheShapeError`][safelens.CacheShapeError] naming the layer, the
         expected sizes and what arrived; the entry is then unchanged.
         """
-        if not (
-            isinstance(self._keys, Sequence)
-            and isinstance(self._values, Sequence)
-            and dim in (_POS, _POS - self._keys.template.dim())
-        ):
+        if not (isinstance(self._keys, Sequence) and isinstance(self._values, Sequence)):
             return self._append_plain(keys, values, dim)
+        rank = self._keys.template.dim()
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim not in (_POS, _POS - rank):
+            raise CacheShapeError(
+                f"{self._where()}: dim={dim!r}, but a tensor cache grows along pos only "
+                f"(dim=1 or dim={_POS - rank} of [batch, pos, n_kv_heads, d_head]); "
+                "appending along batch or heads would silently change what the cache is"
+            )
+        if self._keys.length != self._values.length:
+            raise CacheShapeError(
+                f"{self._where()}: the cache holds {self._keys.length} key positions but "
+                f"{self._values.length} value positions; set entry.keys and entry.values to "
+                "tensors of one length before appending"
+            )
         new_keys, new_values = self._new(keys, values)
         if self._frozen:
             full_keys = self._keys.joined(new_keys)
@@ -322,10 +380,12 @@ class KeyValueCacheEntry:
         return stored_keys + (new_keys,), stored_values + (new_values,)
 
     def _read_hooks(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[Any, Any]:
+        # A read-time hook gets a tensor of its own: whatever it does to its argument,
+        # in place or not, never reaches storage.
         if self.hook_k_full.fwd_hooks:
-            keys = self.hook_k_full(keys)
+            keys = self.hook_k_full(keys.clone())
         if self.hook_v_full.fwd_hooks:
-            values = self.hook_v_full(values)
+            values = self.hook_v_full(values.clone())
         return keys, values
 
     def _append_plain(self, keys: Any, values: Any, dim: int) -> tuple[Any, Any]:

@@ -22,7 +22,8 @@ from ._cache import KeyValueCache
 from ._config import CacheDimensions
 from ._errors import HookError
 from ._hook_point import CacheHookPoint
-from ._hooks import FwdHooks, NamesFilter, _forward, _resolve, cache_hook_names
+from ._hooks import FwdHooks, NamesFilter, _resolve, cache_hook_names
+from ._run import forward
 
 __all__ = ["run_with_cache_capture"]
 
@@ -114,5 +115,5 @@ def run_with_cache_capture(
         stop_at_layer=stop_at_layer,
     )
     all_hooks = list(fwd_hooks) + ([(chosen, save)] if chosen else [])
-    output = _forward(model, input, cache, all_hooks, forward_args, True, False)
+    output = forward(model, input, cache, all_hooks, forward_args, True, False)
     return output, captured

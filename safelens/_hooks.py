@@ -6,8 +6,10 @@ Here the same list may also name the cache's hook points,
 [`hooks`][safelens.hooks] splits it, sending model names to the model's hook points and
 cache names to the cache entries' [`CacheHookPoint`][safelens.CacheHookPoint]s, and
 removes the temporary ones on exit, also on error.
-[`run_with_hooks`][safelens.run_with_hooks] runs one forward pass that way (and
-`safelens._capture` collects what the cache hook points saw).
+`hooks` also puts the cache back as it was when a forward pass inside the block fails
+(see `safelens._rollback`). [`run_with_hooks`][safelens.run_with_hooks] runs one
+forward pass that way (`safelens._run`), and `safelens._capture` collects what the cache
+hook points saw.
 
 Caveats:
 
@@ -18,10 +20,9 @@ Caveats:
 - Hooks live on the cache's entries: `cache.fork()` and friends return caches whose
   hook points start empty.
 - A lazy cache (`KeyValueCache()`) gets an empty entry for each layer named, as
-  `cache[layer]` would make it. `run_with_hooks` also gives every missing or empty
-  layer `[batch, 0, n_kv_heads, d_head]` tensors in the model's dtype, as
-  `KeyValueCache.init_cache` would, because TransformerLens reads the cached length
-  of every layer.
+  `cache[layer]` would make it.
+- `hook_k_full`/`hook_v_full` hooks get a copy of the joined tensors: editing it in
+  place changes this pass only, never what is stored.
 """
 
 from __future__ import annotations
@@ -32,15 +33,13 @@ from collections.abc import Sequence as Seq
 from contextlib import contextmanager
 from typing import Any, Literal
 
-import torch
 from transformer_lens import HookedTransformer
 
 from ._cache import KeyValueCache
 from ._cache_entry import hook_name
-from ._config import CacheDimensions
 from ._errors import HookError
 from ._hook_point import CacheHookPoint, HookFunction
-from ._storage import Sequence
+from ._rollback import PassGuard
 
 __all__ = [
     "NamesFilter",
@@ -48,7 +47,6 @@ __all__ = [
     "cache_hook_names",
     "hooks",
     "reset_hooks",
-    "run_with_hooks",
 ]
 
 NamesFilter = str | Seq[str] | Callable[[str], bool]
@@ -111,6 +109,34 @@ def _resolve(
     return model_names, chosen_cache
 
 
+def _check_hook(hook: Any, names: Any) -> None:
+    if not callable(hook):
+        raise HookError(
+            f"the hook for {names!r} must be callable as fn(tensor, hook), got "
+            f"{type(hook).__name__}; nothing was attached"
+        )
+
+
+def _pairs(fwd_hooks: Any) -> list[tuple[NamesFilter, HookFunction]]:
+    """`fwd_hooks` as a list of `(names, fn)` pairs, or a `HookError` saying why not."""
+    if isinstance(fwd_hooks, str | tuple) and len(fwd_hooks) == 2 and callable(fwd_hooks[1]):
+        raise HookError(
+            f"fwd_hooks must be a list of (names, fn) pairs, got one pair {fwd_hooks!r}; wrap "
+            "it in a list: [(names, fn)]"
+        )
+    try:
+        pairs = [tuple(pair) for pair in fwd_hooks]
+    except TypeError:
+        raise HookError(
+            f"fwd_hooks must be a list of (names, fn) pairs, got {type(fwd_hooks).__name__}"
+        ) from None
+    for i, pair in enumerate(pairs):
+        if len(pair) != 2:
+            raise HookError(f"fwd_hooks[{i}] must be a (names, fn) pair, got {pair!r}")
+        _check_hook(pair[1], pair[0])
+    return pairs  # type: ignore[return-value]
+
+
 def _cache_point(cache: KeyValueCache, name: str) -> CacheHookPoint:
     """The hook point `name` (`blocks.{l}.kv_cache.{point}`); a lazy cache makes layer l."""
     layer, point = int(name.split(".")[1]), name.rsplit(".", 1)[1]
@@ -168,6 +194,13 @@ def add_hook(
     ```
     """
     model_names, cache_names = _resolve(model, name)
+    _check_hook(hook, name)
+    if dir not in ("fwd", "bwd") or (cache_names and dir != "fwd"):
+        allowed = ("fwd",) if cache_names else ("fwd", "bwd")
+        raise HookError(
+            f"dir must be one of {allowed} for {name!r}, got {dir!r}; cache hook points have "
+            "forward hooks only"
+        )
     points = [_cache_point(cache, n) for n in cache_names]
     for model_name in model_names:
         model.add_hook(
@@ -236,7 +269,9 @@ def hooks(
 
     ```
     """
-    resolved = [(_resolve(model, names), fn) for names, fn in fwd_hooks]
+    if not isinstance(cache, KeyValueCache):
+        raise HookError(f"cache must be a safelens KeyValueCache, got {type(cache).__name__}")
+    resolved = [(_resolve(model, names), fn) for names, fn in _pairs(fwd_hooks)]
     attach = [
         (model_names, [_cache_point(cache, n) for n in cache_names], fn)
         for (model_names, cache_names), fn in resolved
@@ -252,7 +287,8 @@ def hooks(
             for point in points:
                 touched.append(point)
                 point.add_hook(fn, level=level)
-        yield model
+        with PassGuard(model, cache):
+            yield model
     finally:
         if reset_hooks_end and clear_contexts:
             reset_hooks(model, cache, clear_contexts, including_permanent=False, level=level)
@@ -262,136 +298,3 @@ def hooks(
             for point in touched:
                 point.remove_hooks(level=level)
         model.context_level -= 1
-
-
-def _snapshot(cache: KeyValueCache) -> Callable[[], None]:
-    """A function that puts `cache` back as it is now (entries, keys, values, mask)."""
-
-    def state(held: Any) -> Any:
-        return held.snapshot() if isinstance(held, Sequence) else None
-
-    entries = dict(cache._entries)
-    held = [(e, e._keys, state(e._keys), e._values, state(e._values)) for e in entries.values()]
-    mask, mask_state = cache._mask, state(cache._mask)
-
-    def restore() -> None:
-        cache._entries = entries
-        for entry, keys, keys_state, values, values_state in held:
-            entry._keys, entry._values = keys, values
-            for seq, seq_state in ((keys, keys_state), (values, values_state)):
-                if seq_state is not None:
-                    seq.restore(seq_state)
-        cache._mask = mask
-        if mask_state is not None:
-            mask.restore(mask_state)
-
-    return restore
-
-
-def _fill_empty_layers(model: HookedTransformer, cache: KeyValueCache, batch: int) -> None:
-    """Give every layer without tensor keys an empty `[batch, 0, n_kv_heads, d_head]` pair."""
-    dims = CacheDimensions.of(model.cfg)
-    for layer in range(dims.n_layers):
-        try:
-            entry = cache[layer]
-        except IndexError:
-            raise HookError(
-                f"the cache holds {len(cache)} layers but the model has {dims.n_layers}; "
-                "build it with KeyValueCache.init_cache(model.cfg)"
-            ) from None
-        if entry.keys is None and entry.values is None:
-            empty = dims.empty_keys(batch, dims.device_of_layer(layer, model.cfg.device))
-            entry.keys, entry.values = empty, torch.empty_like(empty)
-
-
-def _forward(
-    model: HookedTransformer,
-    input: Any,
-    cache: KeyValueCache,
-    fwd_hooks: FwdHooks,
-    forward_args: dict[str, Any],
-    reset_hooks_end: bool,
-    clear_contexts: bool,
-) -> Any:
-    if not isinstance(cache, KeyValueCache):
-        raise HookError(f"cache must be a safelens KeyValueCache, got {type(cache).__name__}")
-    restore = _snapshot(cache)
-    try:
-        if isinstance(input, torch.Tensor):
-            _fill_empty_layers(model, cache, input.shape[0])
-            if forward_args["attention_mask"] is None and model.tokenizer is None:
-                forward_args["attention_mask"] = torch.ones(
-                    input.shape[:2], dtype=torch.long, device=input.device
-                )
-        with hooks(model, cache, fwd_hooks, reset_hooks_end, clear_contexts):
-            return model(input, past_kv_cache=cache, **forward_args)
-    except BaseException:
-        restore()
-        raise
-
-
-def run_with_hooks(
-    model: HookedTransformer,
-    input: Any,
-    *,
-    cache: KeyValueCache,
-    fwd_hooks: FwdHooks = (),
-    attention_mask: torch.Tensor | None = None,
-    return_type: str | None = "logits",
-    loss_per_token: bool = False,
-    prepend_bos: bool | None = None,
-    padding_side: Literal["left", "right"] | None = None,
-    start_at_layer: int | None = None,
-    stop_at_layer: int | None = None,
-    tokens: torch.Tensor | None = None,
-    shortformer_pos_embed: torch.Tensor | None = None,
-    reset_hooks_end: bool = True,
-    clear_contexts: bool = False,
-) -> Any:
-    """One forward pass through `cache` with `fwd_hooks` attached (model and cache names).
-
-    As `model.run_with_hooks(input, past_kv_cache=cache, fwd_hooks=...)`, but `fwd_hooks`
-    may also name cache hook points. A token `input` without `attention_mask` on a model
-    without tokenizer gets an all-ones mask. A lazy or empty cache first gets empty
-    tensors for every layer (see the module notes). If the pass fails (a hook raises or
-    returns a tensor that does not fit), the cache is put back exactly as it was.
-
-    **Arguments:**
-
-    - `model`: the `HookedTransformer`; `input`: tokens `[batch, new_tokens]` (or what
-      `model.forward` accepts).
-    - `cache`: the [`KeyValueCache`][safelens.KeyValueCache] to read and append to.
-    - `fwd_hooks`: `[(names, fn), ...]`, `names` a hook name, list of names or predicate.
-    - `attention_mask` … `shortformer_pos_embed`: passed to `model.forward`.
-    - `reset_hooks_end`, `clear_contexts`: as in [`hooks`][safelens.hooks].
-
-    **Returns:** what `model.forward` returns.
-
-    **Raises:** [`HookError`][safelens.HookError] for an unknown hook name or a hook
-    result of the wrong shape, dtype or device.
-
-    ```python
-    >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
-    >>> model = HookedTransformer(HookedTransformerConfig(n_layers=1, d_model=16, n_ctx=8,
-    ...     d_head=4, n_heads=4, d_vocab=10, act_fn="relu"))
-    >>> cache = KeyValueCache()
-    >>> zero = lambda tensor, hook: torch.zeros_like(tensor)
-    >>> logits = run_with_hooks(model, torch.tensor([[1, 2, 3]]), cache=cache,
-    ...     fwd_hooks=[("blocks.0.kv_cache.hook_v_new", zero)])
-    >>> logits.shape, cache[0].values.abs().sum().item()
-    (torch.Size([1, 3, 10]), 0.0)
-
-    ```
-    """
-    forward_args = dict(
-        attention_mask=attention_mask,
-        return_type=return_type,
-        loss_per_token=loss_per_token,
-        prepend_bos=prepend_bos,
-        padding_side=padding_side,
-        start_at_layer=start_at_layer,
-        stop_at_layer=stop_at_layer,
-        tokens=tokens,
-        shortformer_pos_embed=shortformer_pos_embed,
-    )
-    return _forward(model, input, cache, fwd_hooks, forward_args, reset_hooks_end, clear_contexts)

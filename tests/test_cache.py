@@ -80,7 +80,7 @@ def test_fixed_entries():
         KeyValueCache([entries[0], "x"])  # type: ignore[list-item]
 
 
-@pytest.mark.parametrize("dim", [1, -3, 2, 0])
+@pytest.mark.parametrize("dim", [1, -3])
 def test_cache_append_is_entry_append(dim):
     cache = filled()
     keys, values = kv(seed=5)
@@ -88,6 +88,26 @@ def test_cache_append_is_entry_append(dim):
     full_keys, full_values = cache.append(1, keys, values, dim=dim)
     assert torch.equal(full_keys, expected) and torch.equal(cache[1].keys, expected)
     assert full_values.shape == expected.shape
+
+
+@pytest.mark.parametrize("dim", [0, 2, 3, -1, -2, -4, 4, 1.0, True, "1"])
+def test_a_tensor_cache_grows_along_pos_only(dim):
+    cache = filled()
+    before = [(e.keys.clone(), e.values.clone()) for e in cache]
+    keys, values = kv(seed=5)
+    with pytest.raises(
+        CacheShapeError, match=r"layer 1: dim=.*grows along pos only \(dim=1 or dim=-3"
+    ):
+        cache.append(1, keys, values, dim=dim)
+    for entry, (k, v) in zip(cache, before, strict=True):
+        assert torch.equal(entry.keys, k) and torch.equal(entry.values, v)
+
+
+def test_nested_lists_still_append_along_any_axis():
+    cache = KeyValueCache()
+    cache.append(0, keys=[[[1]]], values=[[[2]]], dim=0)
+    cache.append(0, keys=[[[3]]], values=[[[4]]], dim=0)
+    assert cache[0].keys == [[[1]], [[3]]] and cache[0].values == [[[2]], [[4]]]
 
 
 def test_numpy_into_a_tensor_cache():
@@ -342,3 +362,76 @@ def test_clone_shares_nothing_and_keeps_frozen():
     assert_state(copy, state(cache))
     select = cache.select([0])
     assert not select.frozen and not (select.storages() & cache.storages())
+
+
+# -- construction: validated, and never changing what the caller owns ---------------------
+
+
+def test_entries_of_another_cache_are_branched_not_relabelled():
+    source = filled()
+    before = state(source)
+    swapped = KeyValueCache([source[1], source[0]], torch.ones(1, 3, dtype=torch.int))
+    assert [e.layer for e in source] == [0, 1]
+    assert swapped[0] is not source[1] and torch.equal(swapped[0].keys, source[1].keys)
+    assert swapped[0].hook_k_new.name == "blocks.0.kv_cache.hook_k_new"
+    swapped.append(0, *kv(pos=1, seed=9))
+    swapped.append_attention_mask(torch.ones(1, 1, dtype=torch.int))
+    assert all(torch.equal(a, b) for a, b in zip(state(source), before, strict=True))
+    assert source[1].hook_k_new.name == "blocks.1.kv_cache.hook_k_new"
+
+
+def test_one_entry_named_for_two_layers_becomes_two_independent_layers():
+    entry = KeyValueCacheEntry(*kv())
+    cache = KeyValueCache([entry, entry])
+    assert cache[0] is entry and cache[1] is not entry
+    cache.append(1, *kv(pos=1, seed=3))
+    assert entry.sequence_length == 3 and cache[1].sequence_length == 4
+
+
+@pytest.mark.parametrize(
+    "entries, mask, match",
+    [
+        (
+            [KeyValueCacheEntry(*kv(pos=3)), KeyValueCacheEntry(*kv(pos=4))],
+            None,
+            r"every layer needs the same batch and pos_so_far, got layer 0: batch=1, pos=3, "
+            r"layer 1: batch=1, pos=4",
+        ),
+        (
+            [KeyValueCacheEntry(*kv(batch=1)), KeyValueCacheEntry(*kv(batch=2))],
+            None,
+            "layer 1: batch=2, pos=3",
+        ),
+        (
+            [KeyValueCacheEntry(*kv(pos=3))],
+            torch.ones(1, 5, dtype=torch.int),
+            r"previous_attention_mask of shape \(1, 5\) does not fit the entries \[batch=1, "
+            r"pos_so_far=3\]",
+        ),
+        ([KeyValueCacheEntry(*kv(batch=2))], torch.ones(1, 3, dtype=torch.int), r"\(1, 3\)"),
+        ([KeyValueCacheEntry(*kv())], torch.ones(3), r"must be \[batch, pos_so_far\], got \(3,\)"),
+        (
+            [KeyValueCacheEntry(*kv())],
+            torch.ones(1, 3),
+            "integer 0/1 values, got dtype torch.float32",
+        ),
+    ],
+)
+def test_constructor_refuses_parts_that_do_not_fit(entries, mask, match):
+    with pytest.raises(CacheShapeError, match=match):
+        KeyValueCache(entries, mask)
+
+
+def test_constructor_refuses_what_is_not_a_list_of_entries():
+    with pytest.raises(TypeError, match="entries must be a list of KeyValueCacheEntry"):
+        KeyValueCache(KeyValueCacheEntry(*kv()))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"entries\[1\] must be a KeyValueCacheEntry, got Tensor"):
+        KeyValueCache([KeyValueCacheEntry(*kv()), kv()[0]])  # type: ignore[list-item]
+
+
+def test_a_failed_constructor_leaves_the_entries_as_they_were():
+    free = KeyValueCacheEntry(*kv(pos=3))
+    with pytest.raises(CacheShapeError):
+        KeyValueCache([free, KeyValueCacheEntry(*kv(pos=4))])
+    assert free.layer is None
+    assert KeyValueCache([free])[0] is free

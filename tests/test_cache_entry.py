@@ -88,13 +88,41 @@ def test_append_returns_old_plus_new_and_stores_it(dim):
 
 
 @pytest.mark.parametrize("dim", [0, 2, 3, -1, -2, -4])
-def test_append_along_other_axes_of_tensors(dim):
+def test_tensor_entries_refuse_other_axes(dim):
     keys, values = kv()
     entry = KeyValueCacheEntry(keys, values)
-    full_keys, full_values = entry.append(keys + 1, values + 1, dim=dim)
-    assert torch.equal(full_keys, torch.cat([keys, keys + 1], dim=dim))
-    assert torch.equal(entry.values, torch.cat([values, values + 1], dim=dim))
-    assert entry.sequence_length == full_keys.shape[1]
+    with pytest.raises(CacheShapeError, match=f"entry: dim={dim}, but a tensor cache grows"):
+        entry.append(keys + 1, values + 1, dim=dim)
+    assert torch.equal(entry.keys, keys) and torch.equal(entry.values, values)
+
+
+@pytest.mark.parametrize(
+    "keys, values, match",
+    [
+        (
+            torch.zeros(1, 3, 2, 4),
+            torch.zeros(1, 4, 2, 4),
+            r"keys of shape \(1, 3, 2, 4\) and values of shape \(1, 4, 2, 4\)",
+        ),
+        (torch.zeros(1, 3, 2, 4), torch.zeros(2, 3, 2, 4), "same batch, pos and n_heads"),
+        (torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 4), "same rank"),
+        (torch.zeros(1, 3, 2, 4), None, "values is None but the other is not"),
+        (None, torch.zeros(1, 3, 2, 4), "keys is None but the other is not"),
+        (torch.zeros(1, 3, 2, 4), np.zeros((1, 3, 2, 4)), "keys are Tensor but values are ndarray"),
+    ],
+)
+def test_constructor_refuses_keys_and_values_that_do_not_pair(keys, values, match):
+    with pytest.raises(CacheShapeError, match=match):
+        KeyValueCacheEntry(keys, values)
+
+
+def test_append_refuses_keys_and_values_set_to_different_lengths():
+    keys, values = kv()
+    entry = KeyValueCacheEntry(keys, values)
+    entry.values = kv(pos=5)[1]
+    with pytest.raises(CacheShapeError, match="holds 3 key positions but 5 value positions"):
+        entry.append(*kv(pos=1))
+    assert torch.equal(entry.keys, keys)
 
 
 @pytest.mark.parametrize("dim", [0, 1, 2, -1, -2, -3])
@@ -279,7 +307,7 @@ def test_bad_input_names_the_layer_and_changes_nothing(keys, values, match):
 def test_bad_input_on_other_axes_changes_nothing():
     entry = KeyValueCacheEntry(*kv(), layer=1)
     before = snapshot(entry)
-    with pytest.raises(CacheShapeError, match=r"layer 1: cannot concatenate along dim=2"):
+    with pytest.raises(CacheShapeError, match=r"layer 1: dim=2, but a tensor cache grows"):
         entry.append(torch.zeros(1, 3, 2, 4), torch.zeros(1, 2, 2, 4), dim=2)
     assert_same(entry, before)
 

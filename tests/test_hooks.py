@@ -398,3 +398,48 @@ def test_capture_rejects_model_names_and_bad_indices(model) -> None:
     ):
         safelens.run_with_cache_capture(model, tokens(1, 2), cache=cache, positions=5)
     assert cache.sequence_length == 0
+
+
+# -- hooks cannot reach storage, and a refused call attaches nothing -------------------
+
+
+@pytest.mark.parametrize("kind", ["k", "v"])
+def test_read_time_hook_editing_in_place_never_reaches_storage(model, kind: str) -> None:
+    cache, toks = _prefilled(model)
+    before = _stored(cache)
+
+    def zero_in_place(tensor, hook):
+        tensor.zero_()
+
+    name = f"blocks.0.kv_cache.hook_{kind}_full"
+    edited = safelens.run_with_hooks(
+        model, toks[:, PREFIX:], cache=cache, fwd_hooks=[(name, zero_in_place)]
+    )
+    stored = _stored(cache)
+    for layer, (k, v) in enumerate(zip(before[0:-1:2], before[1:-1:2], strict=True)):
+        assert torch.equal(stored[2 * layer][:, :PREFIX], k)
+        assert torch.equal(stored[2 * layer + 1][:, :PREFIX], v)
+    # The edit did reach this pass: it equals returning zeros.
+    fresh, _ = _prefilled(model)
+    zeros = safelens.run_with_hooks(
+        model,
+        toks[:, PREFIX:],
+        cache=fresh,
+        fwd_hooks=[(name, lambda t, hook: torch.zeros_like(t))],
+    )
+    torch.testing.assert_close(edited, zeros)
+
+
+def test_add_hook_refuses_before_attaching_anything(model) -> None:
+    cache = KeyValueCache.init_cache(model.cfg)
+    names = ["blocks.0.attn.hook_k", "blocks.1.attn.hook_k", "blocks.0.kv_cache.hook_k_new"]
+    with pytest.raises(HookError, match="must be callable as fn\\(tensor, hook\\), got str"):
+        safelens.add_hook(model, cache, names, "not a function")  # type: ignore[arg-type]
+    with pytest.raises(HookError, match=r"dir must be one of \('fwd',\) .* got 'bwd'"):
+        safelens.add_hook(model, cache, names, lambda t, hook: None, dir="bwd")  # type: ignore[arg-type]
+    with pytest.raises(HookError, match=r"dir must be one of \('fwd', 'bwd'\)"):
+        safelens.add_hook(model, cache, names[:1], lambda t, hook: None, dir="up")  # type: ignore[arg-type]
+    assert not any(point.fwd_hooks or point.bwd_hooks for point in model.hook_dict.values())
+    assert not any(point.fwd_hooks for point in cache.hook_points().values())
+    toks = tokens(1, 3)
+    torch.testing.assert_close(safelens.run_with_hooks(model, toks, cache=cache), model(toks))
