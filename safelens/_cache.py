@@ -51,6 +51,25 @@ def _shown(value: Any) -> Any:
     return value.view() if isinstance(value, Sequence) else value
 
 
+def _check_rows(rows: Any) -> None:
+    """Refuse row indices that torch would read some other way (bools, floats)."""
+    if isinstance(rows, slice | int) and not isinstance(rows, bool):
+        return
+    if isinstance(rows, torch.Tensor):
+        if rows.dtype in (torch.bool,) or not (rows.is_floating_point() or rows.is_complex()):
+            return
+        raise TypeError(f"rows must be an integer (or bool mask) tensor, got dtype {rows.dtype}")
+    if isinstance(rows, list | tuple) and (
+        all(isinstance(r, int) and not isinstance(r, bool) for r in rows)
+        or all(isinstance(r, bool) for r in rows)
+    ):
+        return
+    raise TypeError(
+        f"rows must be an int, a slice, a list of ints or an integer tensor, got {rows!r}; "
+        "torch would read floats or bools as other rows than meant"
+    )
+
+
 def _check_layout(entries: dict[int, KeyValueCacheEntry], mask: Any) -> None:
     """Refuse entries and a mask that cannot be one cache: every layer one batch and length."""
     sized = {
@@ -171,7 +190,7 @@ class KeyValueCache:
 
         ```
         """
-        if not isinstance(batch_size, int) or batch_size < 1:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         dims = CacheDimensions.of(cfg)
         if device is None:
@@ -192,8 +211,8 @@ class KeyValueCache:
 
     def __getitem__(self, layer: int) -> KeyValueCacheEntry:
         """Layer `layer`'s entry; a lazy cache creates it (inheriting the frozen flag)."""
-        if not isinstance(layer, int):
-            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"layer must be an int, got {type(layer).__name__} {layer!r}")
         if not self._lazy:
             count = len(self._entries)
             if not -count <= layer < count:
@@ -412,8 +431,7 @@ class KeyValueCache:
         ```
         """
         batch = self.batch_size
-        if isinstance(rows, bool):
-            raise TypeError(f"rows must be an int, slice, list or tensor, not the bool {rows!r}")
+        _check_rows(rows)
         try:
             index = torch.arange(batch)[rows].reshape(-1)
         except (IndexError, TypeError, RuntimeError) as error:

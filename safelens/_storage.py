@@ -7,12 +7,20 @@ instead of TransformerLens' copy of the whole cache per token.
 
 Sharing is copy-on-write. Many sequences may point at one buffer, but only the one whose
 end is the buffer's high-water mark (`filled`) may write past it; any other sequence that
-appends starts a buffer of its own and keeps the shared part as a segment. So a tensor
-handed out by [`view`][] is never overwritten later, a branch never sees its parent's
-later tokens, and the parent never sees the branch's.
+appends starts a buffer of its own and keeps the shared part as a segment. The mark never
+goes down, not even on [`restore`][], so memory once handed out is never written again: a
+tensor handed out by [`view`][] keeps its values, a branch never sees its parent's later
+tokens, and the parent never sees the branch's.
+
+Gradients: when autograd would record an append (grad enabled and the new or the stored
+tensor requires grad), the append is out of place, a fresh `torch.cat` as in
+TransformerLens' cache, so every tensor handed out stays valid for `backward()`. Otherwise
+the write past the mark goes through `Tensor.data`, which autograd's version counter does
+not see: it changes no memory any handed-out tensor shows, so a view saved for backward by
+some other operation (say, attention with trainable queries) stays valid too.
 
 Caveat: once a sequence grows past its first append, the spare capacity costs up to 2x
-the filled memory.
+the filled memory; with gradients recorded, each append copies the sequence's own part.
 """
 
 from __future__ import annotations
@@ -31,10 +39,10 @@ def _nonempty(pieces: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
 class _Buffer:
     """A tensor with spare room along `pos`; `filled` is how far anyone has written."""
 
-    __slots__ = ("data", "filled")
+    __slots__ = ("tensor", "filled")
 
-    def __init__(self, data: torch.Tensor, filled: int) -> None:
-        self.data = data
+    def __init__(self, tensor: torch.Tensor, filled: int) -> None:
+        self.tensor = tensor
         self.filled = filled
 
 
@@ -54,7 +62,7 @@ class Sequence:
         return cls((), _Buffer(tensor, tensor.shape[_POS]), tensor.shape[_POS])
 
     def _own(self) -> torch.Tensor:
-        return self._buffer.data.narrow(_POS, 0, self._used)
+        return self._buffer.tensor.narrow(_POS, 0, self._used)
 
     def pieces(self) -> tuple[torch.Tensor, ...]:
         """The tensors that, joined along `pos`, make up this sequence."""
@@ -74,19 +82,26 @@ class Sequence:
     @property
     def template(self) -> torch.Tensor:
         """A tensor with this sequence's batch, trailing sizes, dtype and device."""
-        return self._buffer.data
+        return self._buffer.tensor
 
     def joined(self, new: torch.Tensor) -> torch.Tensor:
         """This sequence followed by `new`, without storing anything."""
         return torch.cat(self.pieces() + (new,), dim=_POS)
 
     def append_(self, new: torch.Tensor) -> torch.Tensor:
-        """Store `new` after the filled part (in place when possible); return the whole."""
+        """Store `new` after the filled part; return the whole.
+
+        In place when the buffer has room past the mark and autograd records nothing;
+        else into a new buffer (a `torch.cat` of the own part and `new` when it records).
+        """
         count = new.shape[_POS]
-        buffer = self._buffer
+        held = self._buffer.tensor
         end = self._used + count
-        if self._used == buffer.filled and end <= buffer.data.shape[_POS]:
-            buffer.data.narrow(_POS, self._used, count).copy_(new)
+        if torch.is_grad_enabled() and (new.requires_grad or held.requires_grad):
+            self._buffer = _Buffer(torch.cat((self._own(), new), dim=_POS), end)
+        elif self._used == self._buffer.filled and end <= held.shape[_POS]:
+            held.data.narrow(_POS, self._used, count).copy_(new)
+            self._buffer.filled = end
         else:
             shape = list(new.shape)
             # The first append (a prefill, or a continuation's first step) gets exactly
@@ -95,22 +110,25 @@ class Sequence:
             data = new.new_empty(shape)
             data.narrow(_POS, 0, self._used).copy_(self._own())
             data.narrow(_POS, self._used, count).copy_(new)
-            buffer = self._buffer = _Buffer(data, 0)
-        buffer.filled = self._used = end
+            self._buffer = _Buffer(data, end)
+        self._used = end
         return self.view()
 
     def snapshot(self) -> tuple[object, ...]:
         """What [`restore`][] needs to undo later appends."""
-        return (self._segments, self._buffer, self._buffer.filled, self._used)
+        return (self._segments, self._buffer, self._used)
 
     def restore(self, state: tuple[object, ...]) -> None:
-        """Undo every append since `state` was taken."""
-        self._segments, self._buffer, filled, self._used = state  # type: ignore[assignment]
-        self._buffer.filled = filled  # type: ignore[assignment]
+        """Undo every append since `state` was taken.
+
+        The buffer's high-water mark stays where those appends left it, so the next append
+        starts a buffer of its own instead of overwriting what they handed out.
+        """
+        self._segments, self._buffer, self._used = state  # type: ignore[assignment]
 
     def fork(self) -> Sequence:
         """A branch sharing everything filled so far, with an empty buffer of its own."""
-        own = self._buffer.data.narrow(_POS, 0, 0)
+        own = self._buffer.tensor.narrow(_POS, 0, 0)
         return Sequence(_nonempty(self.pieces()), _Buffer(own, 0), 0)
 
     def expand(self, rows: int) -> Sequence:
@@ -129,7 +147,7 @@ class Sequence:
             kept.append(piece.narrow(_POS, 0, take))
             left -= take
         if not kept:
-            return Sequence((), _Buffer(self._buffer.data.narrow(_POS, 0, 0), 0), 0)
+            return Sequence((), _Buffer(self._buffer.tensor.narrow(_POS, 0, 0), 0), 0)
         return Sequence(tuple(kept), _Buffer(kept[-1].narrow(_POS, 0, 0), 0), 0)
 
     def select(self, rows: torch.Tensor) -> Sequence:

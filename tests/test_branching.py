@@ -260,11 +260,22 @@ def test_selected_rows_continue_like_the_uncached_model() -> None:
     [
         (4, IndexError, "rows 4 do not index a batch of 4 rows"),
         ([0, 9], IndexError, r"rows \[0, 9\] do not index a batch of 4 rows"),
-        (torch.tensor([0.5]), IndexError, "do not index a batch of 4 rows"),
+        (
+            torch.tensor([0.5]),
+            TypeError,
+            "integer \\(or bool mask\\) tensor, got dtype torch.float32",
+        ),
+        ([1.7], TypeError, r"list of ints or an integer tensor, got \[1.7\]; torch would read"),
+        ([1, True], TypeError, r"got \[1, True\]"),
         ([], IndexError, r"rows \[\] select no row of a batch of 4"),
         (torch.tensor([False] * 4), IndexError, "select no row"),
-        (True, TypeError, "rows must be an int, slice, list or tensor, not the bool True"),
-        ("0", IndexError, "rows '0' do not index"),
+        (
+            True,
+            TypeError,
+            "rows must be an int, a slice, a list of ints or an integer tensor, got True",
+        ),
+        (1.0, TypeError, "got 1.0"),
+        ("0", TypeError, "got '0'"),
     ],
 )
 def test_select_bad_rows(rows, error, match) -> None:
