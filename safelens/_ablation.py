@@ -30,7 +30,9 @@ edits).
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -198,6 +200,8 @@ class _Shape(NamedTuple):
 
 def _shape_of(cache: Any, what: str) -> _Shape:
     """The sizes of a cache of `[batch, pos, heads, d_head]` tensors, read without changing it."""
+    if not isinstance(cache, KeyValueCache):
+        raise TypeError(f"{what} must be a KeyValueCache, got {type(cache).__name__}")
     entries = cache.entries
     if not entries:
         raise CacheShapeError(
@@ -350,12 +354,8 @@ def _plan(prefix: Prefix, ablations: Ablation | Sequence[Ablation], what: str) -
     items = [ablations] if isinstance(ablations, Ablation) else list(ablations)
     if not items or not all(isinstance(a, Ablation) for a in items):
         raise TypeError("ablations must be an Ablation or a non-empty list of Ablation objects")
+    prefix.check()
     shape = _shape_of(prefix.cache, "prefix.cache")
-    if (shape.batch, shape.length) != (prefix.batch_size, prefix.length):
-        raise CacheShapeError(
-            f"prefix.cache holds [batch={shape.batch}, pos={shape.length}] but prefix.tokens "
-            f"is {tuple(prefix.tokens.shape)}; build prefixes with prefill(model, tokens)"
-        )
     edits = []
     for ablation in items:
         layers = ablation.layer_list(shape.layers)
@@ -452,11 +452,37 @@ def _check_model(model: Any, prefix: Prefix, edits: list[_Edit]) -> None:
             )
 
 
+@contextmanager
+def _attached(model: Any, hooks: list[tuple[str, Callable[..., Any]]]) -> Iterator[None]:
+    """`hooks` on the model's hook points for this thread's passes in the block only.
+
+    Plain torch hooks with their own handles, removed on exit (also on error), so
+    neither hooks of other callers nor other threads' passes through the model are
+    touched, and TransformerLens' shared `context_level` is left alone.
+    """
+    owner = threading.get_ident()
+    handles = []
+
+    def torch_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(point: Any, args: Any, output: torch.Tensor) -> Any:
+            return fn(output, point) if threading.get_ident() == owner else None
+
+        return call
+
+    try:
+        for name, fn in hooks:
+            handles.append(model.hook_dict[name].register_forward_hook(torch_hook(fn)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def ablate_write(model: Any, prefix: Prefix, ablations: Ablation | Sequence[Ablation]) -> Prefix:
     """Write-time ablation: the prefix recomputed with the edit in its keys/values.
 
-    The edit is applied at `blocks.{l}.attn.hook_k` / `hook_v` (hooks attached for the
-    recomputation only, removed after it, also on error), so the result equals one
+    The edit is applied at `blocks.{l}.attn.hook_k` / `hook_v` (hooks attached for this
+    thread's recomputation only, removed after it, also on error), so the result equals one
     TransformerLens `run_with_hooks` over the prefix with the same edit there, on every
     model. A `"function"` ablation's `fn` gets slices of those activations (before any
     q/k norm or `clip_qkv`); `"mean"` and `"resample"` write the references' cached
@@ -532,7 +558,7 @@ def ablate_write(model: Any, prefix: Prefix, ablations: Ablation | Sequence[Abla
 
     if prefix.residuals is not None:
         hooks += [(f"blocks.{i}.hook_resid_pre", keep) for i in range(skip, n_layers)]
-    with torch.no_grad(), model.hooks(fwd_hooks=hooks):
+    with torch.no_grad(), _attached(model, hooks):
         if reuse_layers:
             assert prefix.residuals is not None
             logits = model(

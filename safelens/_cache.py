@@ -469,7 +469,15 @@ class KeyValueCache:
         - `path`: where to write (an existing file is replaced).
 
         **Raises:** [`CacheShapeError`][safelens.CacheShapeError] when the cache holds
-        no layer, a missing layer, non-tensor values, or layers of differing shape.
+        no layer, a missing layer, non-tensor values, layers of differing shape or
+        dtype, an attention mask that is not a `[batch, pos_so_far]` tensor, a dtype a
+        cache file cannot hold (it holds float64, float32, float16, bfloat16,
+        float8_e4m3fn, float8_e5m2, int64, int32, int16, int8, uint8 and bool; not,
+        e.g., complex64 or uint16), or more layers than one file's 256 KiB header can
+        describe (about 1000). `FileNotFoundError` when the directory of `path` does
+        not exist, and `OSError` when writing fails (no permission, disk full), each
+        naming `path` as its `filename`. A failed save writes nothing: any file
+        already at `path` is unchanged.
 
         ```python
         >>> import tempfile, pathlib
@@ -498,8 +506,13 @@ class KeyValueCache:
           attention mask goes to layer 0's device, as TransformerLens puts it.
 
         **Raises:** [`CacheFileError`][safelens.CacheFileError] for a truncated,
-        corrupt or foreign file (no safelens marker, a pickle, random bytes) or an
-        unknown format version; `FileNotFoundError` when there is no file.
+        corrupt or foreign file (no safelens marker, a pickle, random bytes), an
+        unknown format version, or a layer that cannot be put on its device (e.g. a
+        cache saved on `cuda` loaded where there is none: pass `device="cpu"`);
+        `FileNotFoundError` when there is no file. `ValueError` when `device` (or an
+        item of it) names an unknown device, or a list or mapping does not give
+        exactly one device per saved layer; `TypeError` when `device` is none of a
+        device, a list or a mapping.
 
         ```python
         >>> import tempfile, pathlib

@@ -8,6 +8,7 @@ works with both.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,22 +26,41 @@ _HIDDEN = ("d_model", "n_embd", "hidden_size")
 _DTYPE = ("dtype", "torch_dtype")
 
 
-def _first(cfg: Any, names: tuple[str, ...]) -> Any:
+def _first(cfg: Any, names: tuple[str, ...]) -> tuple[str, Any] | None:
+    """`(name, value)` of the first of `names` that `cfg` sets (not `None`), else `None`."""
     for name in names:
         value = getattr(cfg, name, None)
         if value is not None:
-            return value
+            return name, value
     return None
 
 
-def _required(cfg: Any, names: tuple[str, ...], role: str) -> int:
-    value = _first(cfg, names)
-    if value is None:
+def _size(cfg: Any, names: tuple[str, ...], role: str) -> tuple[str, int] | None:
+    """`(name, size)` of the first of `names` that `cfg` sets; it must be a positive int."""
+    found = _first(cfg, names)
+    if found is None:
+        return None
+    name, value = found
+    try:
+        size = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        size = None
+    if size is None or size < 1:
+        raise CacheConfigError(
+            f"cfg of type {type(cfg).__name__} has {name}={value!r} "
+            f"({type(value).__name__}); expected the {role} as a positive int"
+        )
+    return name, size
+
+
+def _required(cfg: Any, names: tuple[str, ...], role: str) -> tuple[str, int]:
+    found = _size(cfg, names, role)
+    if found is None:
         raise CacheConfigError(
             f"cfg of type {type(cfg).__name__} has no {role}: expected one of the "
             f"attributes {', '.join(names)}"
         )
-    return int(value)
+    return found
 
 
 def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
@@ -89,25 +109,56 @@ class CacheDimensions:
     def of(cls, cfg: Any) -> CacheDimensions:
         """Read the dimensions from a TransformerLens or HuggingFace-style config.
 
+        Every size read must be a positive int; the key/value heads must divide the
+        query heads; a `d_head` derived from the hidden size must divide it exactly.
+        With TransformerLens' `ungroup_grouped_query_attention=True` the model emits
+        (and caches) one key/value head per query head, so `n_kv_heads = n_heads`.
+
         **Raises:** [`CacheConfigError`][safelens.CacheConfigError] naming the missing
-        attribute.
+        or invalid attribute, what was expected and what it holds.
+
+        ```python
+        >>> from types import SimpleNamespace
+        >>> CacheDimensions.of(SimpleNamespace(n_layers=2, n_heads=8, n_key_value_heads=3, d_head=4))
+        Traceback (most recent call last):
+        ...
+        safelens._errors.CacheConfigError: cfg of type SimpleNamespace has n_key_value_heads=3, which does not divide n_heads=8; ...
+
+        ```
         """
-        n_layers = _required(cfg, _LAYERS, "layer count")
-        n_heads = _first(cfg, _HEADS)
-        n_kv_heads = _first(cfg, _KV_HEADS) or n_heads
-        if n_kv_heads is None:
-            _required(cfg, _HEADS, "head count")
-        d_head = _first(cfg, _D_HEAD)
+        kind = type(cfg).__name__
+        _, n_layers = _required(cfg, _LAYERS, "layer count")
+        heads = _size(cfg, _HEADS, "head count")
+        kv_heads = _size(cfg, _KV_HEADS, "key/value head count")
+        if heads is not None and kv_heads is not None and heads[1] % kv_heads[1]:
+            raise CacheConfigError(
+                f"cfg of type {kind} has {kv_heads[0]}={kv_heads[1]}, which does not divide "
+                f"{heads[0]}={heads[1]}; grouped-query attention shares each key/value head "
+                "among n_heads // n_kv_heads query heads"
+            )
+        if kv_heads is None or (
+            heads is not None and getattr(cfg, "ungroup_grouped_query_attention", False)
+        ):
+            kv_heads = heads or _required(cfg, _HEADS, "head count")
+        d_head = _size(cfg, _D_HEAD, "head size")
         if d_head is None:
-            if n_heads is None:
-                _required(cfg, _HEADS, "head count (needed to derive d_head)")
-            d_head = _required(cfg, _HIDDEN, "d_head or hidden size") // int(n_heads)
+            heads = heads or _required(cfg, _HEADS, "head count (needed to derive d_head)")
+            hidden = _required(cfg, _HIDDEN, "d_head or hidden size")
+            if hidden[1] % heads[1]:
+                raise CacheConfigError(
+                    f"cfg of type {kind} has no d_head, and {hidden[0]}={hidden[1]} is not "
+                    f"divisible by {heads[0]}={heads[1]}; set d_head (or head_dim) to the "
+                    "size of one attention head"
+                )
+            d_head = ("", hidden[1] // heads[1])
+        dtype = _first(cfg, _DTYPE)
+        devices = _size(cfg, ("n_devices",), "device count")
         return cls(
             n_layers=n_layers,
-            n_kv_heads=int(n_kv_heads),
-            d_head=int(d_head),
-            dtype=parse_dtype(_first(cfg, _DTYPE)),
-            n_devices=int(getattr(cfg, "n_devices", None) or 1),
+            n_kv_heads=kv_heads[1],
+            d_head=d_head[1],
+            dtype=parse_dtype(None if dtype is None else dtype[1]),
+            n_devices=1 if devices is None else devices[1],
         )
 
     def device_of_layer(self, layer: int, device: torch.device | str | None) -> torch.device:

@@ -6,12 +6,17 @@ d_head]`, pre-rotary keys as TransformerLens stores them) and, when the cache ha
 `attention_mask` (`[batch, pos_so_far]`). Its metadata holds the format marker, the
 format version, `n_layers`, `n_kv_heads`, `d_head`, `dtype`, `sequence_length`,
 `batch_size`, whether there is an attention mask, the frozen flag, each layer's device
-and a CRC-32 checksum of every tensor.
+and a CRC-32 checksum of every tensor. Saving writes a temporary file beside `path` and
+renames it onto `path`, so a failed save leaves any earlier file whole.
 
-Loading never executes code: the header is read as JSON and the tensors as raw bytes
-(no pickle, no `torch.load`). A file that is truncated, corrupt, foreign (no safelens
-marker, a pickle or `torch.save` file, random bytes) or of an unknown format version
-fails with [`CacheFileError`][safelens.CacheFileError] before any tensor is built.
+The file layer (atomic writes, a strict reader that checks the header's dtypes, shapes
+and byte ranges against the file size before allocating anything, and never unpickles)
+is `_safetensors_file`. On top of it, loading checks every metadata field's type and
+range, the tensor names, shapes and dtype the metadata implies, and each tensor's
+checksum. So a file that is truncated, corrupt, hostile, foreign (no safelens marker, a
+pickle or `torch.save` file, random bytes) or of an unknown format version fails with
+[`CacheFileError`][safelens.CacheFileError] in time and memory bounded by its own size,
+whatever its header says.
 
 Caveat: the file holds the materialised keys and values. A cache made by
 `prefix.expand(n)` is saved with all `n` rows, and a fork with its whole prefix, so the
@@ -21,20 +26,32 @@ storage sharing of branches is not kept on disk; save the prefix itself to store
 from __future__ import annotations
 
 import json
-import struct
+import os
 import zlib
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+from io import BufferedReader
 from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from ._cache_entry import KeyValueCacheEntry
 from ._config import CacheDimensions, parse_dtype
 from ._errors import CacheConfigError, CacheFileError, CacheShapeError
+from ._safetensors_file import (
+    DTYPE_CODES,
+    MAX_SIZE,
+    Span,
+    bytes_of,
+    read_header,
+    read_tensor,
+    shown,
+    tensor_spans,
+    write_safetensors,
+)
 
 if TYPE_CHECKING:
     from ._cache import KeyValueCache
@@ -44,12 +61,6 @@ __all__ = ["FORMAT", "FORMAT_VERSION", "save_cache", "load_cache", "check_fits"]
 FORMAT = "safelens.kv_cache"
 FORMAT_VERSION = 1
 _MASK = "attention_mask"
-_HEADER_BYTES = 8
-_MAX_HEADER = 100_000_000
-_NOT_SAFETENSORS = (
-    (b"\x80", "a pickle file"),
-    (b"PK\x03\x04", "a zip archive (torch.save writes these; they hold pickles)"),
-)
 
 CacheT = TypeVar("CacheT", bound="KeyValueCache")
 Devices = torch.device | str | SequenceOf[torch.device | str] | Mapping[int, torch.device | str]
@@ -63,9 +74,8 @@ def _values_name(layer: int) -> str:
     return f"layers.{layer}.values"
 
 
-def _checksum(tensor: torch.Tensor) -> str:
-    raw = tensor.reshape(-1).view(torch.uint8).numpy()
-    return f"{zlib.crc32(raw.data):08x}"
+def _checksum(raw: memoryview) -> str:
+    return f"{zlib.crc32(raw):08x}"
 
 
 # -- saving ---------------------------------------------------------------------------
@@ -109,6 +119,7 @@ def _layer_tensors(cache: KeyValueCache) -> list[tuple[torch.Tensor, torch.Tenso
 
 def save_cache(cache: KeyValueCache, path: str | PathLike[str]) -> None:
     """Write `cache` to a safetensors file at `path` (see the module docstring)."""
+    path = Path(path)
     pairs = _layer_tensors(cache)
     mask = cache.previous_attention_mask
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
@@ -124,6 +135,12 @@ def save_cache(cache: KeyValueCache, path: str | PathLike[str]) -> None:
         tensors[_values_name(layer)] = layer_values
     if mask is not None:
         tensors[_MASK] = mask
+    for name, tensor in tensors.items():
+        if tensor.dtype not in DTYPE_CODES:
+            raise CacheShapeError(
+                f"save cannot store {name} of dtype {tensor.dtype}; a cache file holds "
+                f"{', '.join(str(dtype) for dtype in DTYPE_CODES)}"
+            )
     # Own contiguous CPU copies: expanded rows are materialised, shared storage split.
     tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors.items()}
     metadata = {
@@ -139,60 +156,33 @@ def save_cache(cache: KeyValueCache, path: str | PathLike[str]) -> None:
         "frozen": json.dumps(bool(cache.frozen)),
         "devices": json.dumps([str(k.device) for k, _ in pairs]),
         "mask_device": json.dumps(None if mask is None else str(mask.device)),
-        "checksums": json.dumps({name: _checksum(t) for name, t in tensors.items()}),
+        "checksums": json.dumps({name: _checksum(bytes_of(t)) for name, t in tensors.items()}),
     }
-    save_file(tensors, str(path), metadata=metadata)
+    write_safetensors(path, tensors, metadata)
 
 
-# -- loading --------------------------------------------------------------------------
+# -- reading the metadata -------------------------------------------------------------
 
 
-def _read_header(path: Path) -> dict[str, Any]:
-    """The safetensors JSON header, checked to be a complete file; never runs code."""
-    size = path.stat().st_size
-    with path.open("rb") as file:
-        start = file.read(_HEADER_BYTES)
-        for signature, kind in _NOT_SAFETENSORS:
-            if start.startswith(signature):
-                raise CacheFileError(
-                    f"{path} is {kind}, not a safetensors cache file; safelens never "
-                    "unpickles files (that can run code). Save caches with cache.save(path)"
-                )
-        if len(start) < _HEADER_BYTES:
-            raise CacheFileError(
-                f"{path} is truncated: {size} bytes, shorter than a safetensors header"
-            )
-        (header_size,) = struct.unpack("<Q", start)
-        if header_size > _MAX_HEADER or _HEADER_BYTES + header_size > size:
-            raise CacheFileError(
-                f"{path} is not a complete safetensors file: its first bytes announce a "
-                f"{header_size}-byte header but the file has {size} bytes (truncated, "
-                "corrupt or not a safetensors file)"
-            )
-        raw = file.read(header_size)
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CacheFileError(f"{path} has a corrupt safetensors header: {error}") from None
-    if not isinstance(header, dict):
-        raise CacheFileError(f"{path} has a corrupt safetensors header (not a JSON object)")
-    ends = [
-        info.get("data_offsets", [0, 0])[-1]
-        for name, info in header.items()
-        if name != "__metadata__" and isinstance(info, dict)
-    ]
-    if not all(isinstance(end, int) for end in ends):
-        raise CacheFileError(f"{path} has a corrupt safetensors header (bad data_offsets)")
-    data_size = max(ends, default=0)
-    if _HEADER_BYTES + header_size + data_size != size:
-        raise CacheFileError(
-            f"{path} is truncated or corrupt: its header describes "
-            f"{_HEADER_BYTES + header_size + data_size} bytes, the file has {size}"
-        )
-    return header
+@dataclass(frozen=True)
+class _Layout:
+    """What a checked header says about the cache in the file."""
+
+    spans: dict[str, Span]
+    n_layers: int
+    frozen: bool
+    devices: list[torch.device]
+    mask_device: torch.device | None
+    checksums: dict[str, str]
 
 
-def _metadata(path: Path, header: dict[str, Any]) -> dict[str, Any]:
+def _bad_metadata(path: Path, what: str) -> CacheFileError:
+    return CacheFileError(
+        f"{path} has corrupt safelens metadata: {what}. Re-save the cache with cache.save(path)"
+    )
+
+
+def _check_marker(path: Path, header: dict[str, Any]) -> dict[str, str]:
     metadata = header.get("__metadata__")
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
         raise CacheFileError(
@@ -202,80 +192,174 @@ def _metadata(path: Path, header: dict[str, Any]) -> dict[str, Any]:
     version = metadata.get("format_version")
     if version != str(FORMAT_VERSION):
         raise CacheFileError(
-            f"{path} is a safelens cache of format version {version!r}; this safelens "
+            f"{path} is a safelens cache of format version {shown(version)}; this safelens "
             f"reads version {FORMAT_VERSION!r}. Load it with the safelens that wrote it"
         )
-    try:
-        return {
-            "n_layers": int(metadata["n_layers"]),
-            "n_kv_heads": int(metadata["n_kv_heads"]),
-            "d_head": int(metadata["d_head"]),
-            "dtype": parse_dtype(metadata["dtype"]),
-            "sequence_length": int(metadata["sequence_length"]),
-            "batch_size": int(metadata["batch_size"]),
-            "has_attention_mask": bool(json.loads(metadata["has_attention_mask"])),
-            "frozen": bool(json.loads(metadata["frozen"])),
-            "devices": list(json.loads(metadata["devices"])),
-            "mask_device": json.loads(metadata["mask_device"]),
-            "checksums": dict(json.loads(metadata["checksums"])),
-        }
-    except (KeyError, ValueError, TypeError, CacheConfigError) as error:
-        raise CacheFileError(f"{path} has corrupt safelens metadata: {error!r}") from None
+    for key, value in metadata.items():
+        if not isinstance(value, str):
+            raise _bad_metadata(path, f"{shown(key)} is {type(value).__name__}, not a string")
+    return metadata
 
 
-def _check_tensors(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    expected = {_keys_name(layer) for layer in range(meta["n_layers"])}
-    expected |= {_values_name(layer) for layer in range(meta["n_layers"])}
-    if meta["has_attention_mask"]:
-        expected.add(_MASK)
-    if set(tensors) != expected or len(meta["devices"]) != meta["n_layers"]:
-        raise CacheFileError(
-            f"{path} is corrupt: it holds tensors {sorted(tensors)}, its metadata "
-            f"describes {sorted(expected)}"
+def _field(path: Path, metadata: dict[str, str], name: str) -> str:
+    if name not in metadata:
+        raise _bad_metadata(path, f"it has no {name!r} field")
+    return metadata[name]
+
+
+def _count(path: Path, metadata: dict[str, str], name: str) -> int:
+    value = _field(path, metadata, name)
+    if not (len(value) <= 10 and value.isascii() and value.isdigit() and int(value) <= MAX_SIZE):
+        raise _bad_metadata(
+            path, f"{name}={shown(value)}; expected a whole number from 0 to {MAX_SIZE}"
         )
-    shape = (meta["batch_size"], meta["sequence_length"], meta["n_kv_heads"], meta["d_head"])
-    for name, tensor in tensors.items():
+    return int(value)
+
+
+def _json_field(path: Path, metadata: dict[str, str], name: str) -> Any:
+    value = _field(path, metadata, name)
+    try:
+        return json.loads(value)
+    except (ValueError, RecursionError):
+        raise _bad_metadata(path, f"{name}={shown(value)} is not valid JSON") from None
+
+
+def _flag(path: Path, metadata: dict[str, str], name: str) -> bool:
+    value = _field(path, metadata, name)
+    if value not in ("true", "false"):
+        raise _bad_metadata(path, f"{name}={shown(value)}; expected 'true' or 'false'")
+    return value == "true"
+
+
+def _saved_device(path: Path, name: object, what: str) -> torch.device:
+    try:
+        if not isinstance(name, str):
+            raise TypeError(f"a device name is a string, not {type(name).__name__}")
+        return torch.device(name)
+    except (RuntimeError, TypeError, ValueError) as error:
+        raise _bad_metadata(
+            path, f"it puts {what} on {shown(name)}, which is not a device torch knows ({error})"
+        ) from None
+
+
+def _layout(path: Path, header: dict[str, Any], data_start: int, size: int) -> _Layout:
+    """Check every metadata field against the tensors the file really holds."""
+    metadata = _check_marker(path, header)
+    spans = tensor_spans(path, header, data_start, size)
+    n_layers = _count(path, metadata, "n_layers")
+    has_mask = _flag(path, metadata, "has_attention_mask")
+    if n_layers == 0 or 2 * n_layers + has_mask != len(spans):
+        raise CacheFileError(
+            f"{path} is corrupt: its metadata describes {n_layers} layers (two tensors each)"
+            f"{' and an attention mask' if has_mask else ''}, but it holds {len(spans)} "
+            f"tensors: {shown(sorted(spans))}"
+        )
+    names = [name for layer in range(n_layers) for name in (_keys_name(layer), _values_name(layer))]
+    names += [_MASK] if has_mask else []
+    unexpected, missing = sorted(set(spans) - set(names)), sorted(set(names) - set(spans))
+    if unexpected or missing:
+        raise CacheFileError(
+            f"{path} is corrupt: it holds tensors {shown(unexpected)} that its metadata does "
+            f"not describe, and lacks {shown(missing)}"
+        )
+    shape = tuple(
+        _count(path, metadata, name)
+        for name in ("batch_size", "sequence_length", "n_kv_heads", "d_head")
+    )
+    try:
+        dtype = parse_dtype(_field(path, metadata, "dtype"))
+    except CacheConfigError:
+        raise _bad_metadata(path, f"dtype={shown(metadata['dtype'])} is not a dtype") from None
+    for name, span in spans.items():
         want = shape[:2] if name == _MASK else shape
-        if tuple(tensor.shape) != want or (name != _MASK and tensor.dtype != meta["dtype"]):
+        if span.shape != want or (name != _MASK and span.dtype != dtype):
             raise CacheFileError(
-                f"{path} is corrupt: {name} has shape {tuple(tensor.shape)} and dtype "
-                f"{tensor.dtype}; its metadata says {want} and {meta['dtype']}"
+                f"{path} is corrupt: {name} has shape {span.shape} and dtype "
+                f"{span.dtype}; its metadata says {want} and {dtype}"
             )
-        if _checksum(tensor) != meta["checksums"].get(name):
+    devices = _json_field(path, metadata, "devices")
+    if not isinstance(devices, list) or len(devices) != n_layers:
+        raise _bad_metadata(
+            path, f"devices={shown(devices)}; expected a list of {n_layers} device names"
+        )
+    mask_device = _json_field(path, metadata, "mask_device")
+    if has_mask != (mask_device is not None):
+        raise _bad_metadata(
+            path,
+            f"mask_device={shown(mask_device)} while has_attention_mask is "
+            f"{json.dumps(has_mask)}; a mask has a device, and no mask none",
+        )
+    checksums = _json_field(path, metadata, "checksums")
+    if (
+        not isinstance(checksums, dict)
+        or set(checksums) != set(spans)
+        or not all(isinstance(value, str) for value in checksums.values())
+    ):
+        raise _bad_metadata(
+            path, f"checksums={shown(checksums)}; expected one checksum string per tensor"
+        )
+    return _Layout(
+        spans=spans,
+        n_layers=n_layers,
+        frozen=_flag(path, metadata, "frozen"),
+        devices=[_saved_device(path, d, f"layer {layer}") for layer, d in enumerate(devices)],
+        mask_device=None if mask_device is None else _saved_device(path, mask_device, "the mask"),
+        checksums=checksums,
+    )
+
+
+# -- loading --------------------------------------------------------------------------
+
+
+def _read_tensors(
+    path: Path, file: BufferedReader, data_start: int, layout: _Layout
+) -> dict[str, torch.Tensor]:
+    """Each tensor read into its own buffer of its checked size, and its checksum checked."""
+    tensors = {}
+    for name, span in layout.spans.items():
+        tensor = read_tensor(path, file, data_start, name, span)
+        if _checksum(bytes_of(tensor)) != layout.checksums[name]:
             raise CacheFileError(
                 f"{path} is corrupt: the bytes of {name} do not match their checksum"
             )
+        tensors[name] = tensor
+    return tensors
 
 
-def _target_devices(devices: Devices | None, meta: dict[str, Any]) -> list[torch.device]:
-    n_layers = meta["n_layers"]
+def _device_argument(value: object, name: str) -> torch.device:
+    try:
+        return torch.device(value)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError, ValueError) as error:
+        raise ValueError(
+            f"{name}={value!r} names an unknown device ({error}); pass a torch.device or a "
+            "name such as 'cpu' or 'cuda:0'"
+        ) from None
+
+
+def _target_devices(devices: Devices | None, layout: _Layout) -> list[torch.device]:
+    n_layers = layout.n_layers
     if devices is None:
-        chosen: list[Any] = meta["devices"]
-    elif isinstance(devices, (str, torch.device)):
-        chosen = [devices] * n_layers
-    elif isinstance(devices, Mapping):
+        return layout.devices
+    if isinstance(devices, (str, torch.device)):
+        return [_device_argument(devices, "device")] * n_layers
+    if isinstance(devices, Mapping):
         if set(devices) != set(range(n_layers)):
             raise ValueError(
                 f"device as a mapping must name every layer 0..{n_layers - 1} of the "
-                f"saved cache, got layers {sorted(devices)}"
+                f"saved cache, got layers {sorted(devices, key=repr)}"
             )
-        chosen = [devices[layer] for layer in range(n_layers)]
     elif isinstance(devices, SequenceOf):
         if len(devices) != n_layers:
             raise ValueError(
                 f"device as a list must give one device per layer: the saved cache has "
                 f"{n_layers} layers, got {len(devices)} devices"
             )
-        chosen = list(devices)
     else:
         raise TypeError(
             "device must be a device, a per-layer list of devices or a {layer: device} "
             f"mapping, got {type(devices).__name__}"
         )
-    try:
-        return [torch.device(d) for d in chosen]
-    except (RuntimeError, TypeError) as error:
-        raise ValueError(f"device {devices!r} names an unknown device: {error}") from None
+    return [_device_argument(devices[layer], f"device[{layer}]") for layer in range(n_layers)]
 
 
 def _moved(tensor: torch.Tensor, device: torch.device, what: str) -> torch.Tensor:
@@ -295,25 +379,28 @@ def load_cache(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no cache file at {path}")
-    meta = _metadata(path, _read_header(path))
-    try:
-        tensors = load_file(str(path), device="cpu")
-    except Exception as error:  # safetensors raises its own SafetensorError
-        raise CacheFileError(f"{path} is corrupt: safetensors cannot read it: {error}") from None
-    _check_tensors(path, meta, tensors)
-    devices = _target_devices(device, meta)
-    entries = [
-        KeyValueCacheEntry(
-            _moved(tensors[_keys_name(layer)], devices[layer], f"layer {layer} keys"),
-            _moved(tensors[_values_name(layer)], devices[layer], f"layer {layer} values"),
-        )
-        for layer in range(meta["n_layers"])
-    ]
-    mask = None
-    if meta["has_attention_mask"]:
-        mask_device = devices[0] if device is not None else meta["mask_device"]
-        mask = _moved(tensors[_MASK], torch.device(mask_device), "attention mask")
-    return cls(entries, mask, frozen=meta["frozen"])
+    with path.open("rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        header, data_start = read_header(path, file, size)
+        layout = _layout(path, header, data_start, size)
+        devices = _target_devices(device, layout)
+        tensors = _read_tensors(path, file, data_start, layout)
+    try:  # the containers check what they hold, e.g. that a mask is integer
+        entries = [
+            KeyValueCacheEntry(
+                _moved(tensors[_keys_name(layer)], devices[layer], f"layer {layer} keys"),
+                _moved(tensors[_values_name(layer)], devices[layer], f"layer {layer} values"),
+            )
+            for layer in range(layout.n_layers)
+        ]
+        mask = None
+        if _MASK in tensors:
+            mask_device = devices[0] if device is not None else layout.mask_device
+            assert mask_device is not None  # _layout pairs a mask with its device
+            mask = _moved(tensors[_MASK], mask_device, "attention mask")
+        return cls(entries, mask, frozen=layout.frozen)
+    except CacheShapeError as error:
+        raise CacheFileError(f"{path} does not hold a valid cache: {error}") from None
 
 
 # -- checking -------------------------------------------------------------------------

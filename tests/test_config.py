@@ -6,10 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformer_lens import HookedTransformerConfig
+from transformer_lens import HookedTransformer, HookedTransformerConfig
 from transformer_lens.utilities.multi_gpu import get_device_for_block_index
 
-from safelens import CacheConfigError, CacheDimensions, parse_dtype
+from safelens import CacheConfigError, CacheDimensions, KeyValueCache, parse_dtype
 
 
 def test_transformer_lens_config():
@@ -124,3 +124,76 @@ def test_empty_keys():
     )
     empty = dims.empty_keys(3, "cpu")
     assert empty.shape == (3, 0, 2, 8) and empty.dtype == torch.float16
+
+
+@pytest.mark.parametrize(
+    ("cfg", "match"),
+    [
+        (
+            SimpleNamespace(n_layers=-1, n_heads=2, d_head=4),
+            r"has n_layers=-1 \(int\); expected the layer count as a positive int",
+        ),
+        (SimpleNamespace(n_layers=0, n_heads=2, d_head=4), r"n_layers=0 \(int\)"),
+        (SimpleNamespace(n_layers=True, n_heads=2, d_head=4), r"n_layers=True \(bool\)"),
+        (
+            SimpleNamespace(n_layers=2, n_heads=0, d_head=4),
+            r"n_heads=0 \(int\); expected the head count as a positive int",
+        ),
+        (SimpleNamespace(n_layers=2, n_heads=2.5, d_head=4), r"n_heads=2.5 \(float\)"),
+        (SimpleNamespace(n_layers=2, n_heads=2.0, d_head=4), r"n_heads=2.0 \(float\)"),
+        (SimpleNamespace(n_layers=2, n_heads="4", d_head=4), r"n_heads='4' \(str\)"),
+        (
+            SimpleNamespace(n_layers=2, n_heads=2, d_head=-8),
+            r"d_head=-8 \(int\); expected the head size as a positive int",
+        ),
+        (
+            SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=0,
+                            hidden_size=16),
+            r"num_key_value_heads=0 \(int\); expected the key/value head count",
+        ),
+        (
+            SimpleNamespace(n_layers=2, n_heads=2, d_head=4, n_devices=0),
+            r"n_devices=0 \(int\); expected the device count as a positive int",
+        ),
+        (
+            SimpleNamespace(n_layers=2, n_heads=8, n_key_value_heads=3, d_head=4),
+            r"n_key_value_heads=3, which does not divide n_heads=8",
+        ),
+        (
+            SimpleNamespace(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=4,
+                            head_dim=4),
+            r"num_key_value_heads=4, which does not divide num_attention_heads=2",
+        ),
+        (
+            SimpleNamespace(n_layer=2, n_head=4, n_embd=66),
+            r"no d_head, and n_embd=66 is not divisible by n_head=4; set d_head \(or head_dim\)",
+        ),
+    ],
+)  # fmt: skip
+def test_invalid_sizes_are_named(cfg, match):
+    with pytest.raises(CacheConfigError, match=match):
+        CacheDimensions.of(cfg)
+    with pytest.raises(CacheConfigError, match=match):
+        KeyValueCache.init_cache(cfg)
+
+
+def test_integer_like_sizes_are_accepted():
+    numpy = pytest.importorskip("numpy")
+    cfg = SimpleNamespace(n_layers=numpy.int64(2), n_heads=torch.tensor(4), d_model=numpy.int32(32))
+    dims = CacheDimensions.of(cfg)
+    assert (dims.n_layers, dims.n_kv_heads, dims.d_head) == (2, 4, 8)
+    assert all(type(v) is int for v in (dims.n_layers, dims.n_kv_heads, dims.d_head))
+
+
+@pytest.mark.parametrize("ungroup", [False, True])
+def test_cache_holds_the_key_heads_transformer_lens_appends(ungroup):
+    cfg = HookedTransformerConfig(
+        n_layers=1, d_model=32, n_ctx=16, d_head=8, n_heads=4, n_key_value_heads=2, d_vocab=10,
+        act_fn="gelu", ungroup_grouped_query_attention=ungroup, device="cpu",
+    )  # fmt: skip
+    assert CacheDimensions.of(cfg).n_kv_heads == (4 if ungroup else 2)
+    attn = HookedTransformer(cfg).blocks[0].attn
+    cache = KeyValueCache.init_cache(cfg)
+    resid = torch.randn(1, 3, 32)
+    attn(resid, resid, resid, past_kv_cache_entry=cache[0])  # TransformerLens appends its keys
+    assert cache[0].keys.shape == (1, 3, 4 if ungroup else 2, 8)
