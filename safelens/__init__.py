@@ -1,5 +1,7 @@
 """safelens: a TransformerLens-compatible key/value cache for interpretability work."""
 
+from typing import TYPE_CHECKING, Any
+
 from ._ablation import Ablation, ablate_read, ablate_write
 from ._cache import KeyValueCache
 from ._cache_entry import KeyValueCacheEntry
@@ -44,6 +46,28 @@ from ._run import run_with_hooks
 from ._shared_attention import shared_prefix_attention
 from ._values import concat_values, shape_of
 
+if TYPE_CHECKING:
+    from ._hf_cache import HFKeyValueCache
+    from ._hf_model import hf_cache_argument
+
+# The HuggingFace backend is imported on first use, so `import safelens` needs no transformers.
+_LAZY = {"HFKeyValueCache": "._hf_cache", "hf_cache_argument": "._hf_model"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'safelens' has no attribute {name!r}")
+    from importlib import import_module
+
+    try:
+        module = import_module(_LAZY[name], __name__)
+    except ModuleNotFoundError as error:
+        raise ImportError(
+            f"safelens.{name} needs the transformers package: pip install 'safelens[hf]'"
+        ) from error
+    return getattr(module, name)
+
+
 TransformerLensKeyValueCache = KeyValueCache
 TransformerLensKeyValueCacheEntry = KeyValueCacheEntry
 HookedTransformerKeyValueCache = KeyValueCache
@@ -78,6 +102,8 @@ __all__ = [
     "ablate_write",
     "KeyValueCache",
     "KeyValueCacheEntry",
+    "HFKeyValueCache",
+    "hf_cache_argument",
     "TransformerLensKeyValueCache",
     "TransformerLensKeyValueCacheEntry",
     "HookedTransformerKeyValueCache",

@@ -8,18 +8,27 @@ Stop tokens: a sample that produces one of `stop_tokens` is finished. Its later
 positions hold `pad_token` and a log-probability of 0; it still rides along in the
 batched forward pass until every sample has finished or `max_new_tokens` is reached
 (its tokens there are discarded), as TransformerLens' `generate` does.
+
+Everything is checked before the first step: the prefix (frozen, made by this model),
+that prefix plus `max_new_tokens` fits `n_ctx`, stop and pad tokens in `[0, d_vocab)`,
+and each count, flag and sampling setting (NaN, infinities and bools refused).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Real
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from jaxtyping import Float, Int
 
-from ._prefix import Prefix
+from ._errors import TokenError
+from ._prefix import Prefix, check_prefix, flag, positive_int
+from ._tokens import check_tokens
 
 __all__ = ["Generation", "generate", "sample_logits"]
 
@@ -41,25 +50,32 @@ class Generation:
     log_probs: Float[torch.Tensor, "n new_tokens"]
 
 
-def sample_logits(
-    logits: Float[torch.Tensor, "batch d_vocab"],
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> Int[torch.Tensor, " batch"]:
-    """One token per row from `logits`, after temperature, top-k and top-p filtering.
+def _finite(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    return float(value)
 
-    `temperature == 0` picks the arg-max. Top-p keeps the smallest set of most likely
-    tokens whose probability reaches `top_p` (always at least the most likely one).
 
-    ```python
-    >>> logits = torch.tensor([[0.0, 5.0, 1.0]])
-    >>> sample_logits(logits, temperature=0.0), sample_logits(logits, top_k=1)
-    (tensor([1]), tensor([1]))
+def _check_sampling(temperature: Any, top_k: Any, top_p: Any) -> None:
+    if _finite(temperature, "temperature") < 0:
+        raise ValueError(
+            f"temperature must be >= 0 (0 means greedy), got {temperature}; a negative "
+            "temperature would turn the distribution over and pick the least likely tokens"
+        )
+    positive_int(top_k, "top_k", optional=True)
+    if top_p is not None and not 0 < _finite(top_p, "top_p") <= 1:
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
 
-    ```
-    """
+
+def _sample(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
@@ -76,27 +92,68 @@ def sample_logits(
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
-def _check(
-    max_new_tokens: int,
-    n_samples: int,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-) -> None:
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, int)
-        or max_new_tokens < 1
+def sample_logits(
+    logits: Float[torch.Tensor, "batch d_vocab"],
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Int[torch.Tensor, " batch"]:
+    """One token per row from `logits`, after temperature, top-k and top-p filtering.
+
+    `temperature == 0` picks the arg-max. Top-k keeps the `top_k` most likely tokens
+    (all of them when `top_k >= d_vocab`). Top-p keeps the smallest set of most likely
+    tokens whose probability reaches `top_p` (always at least the most likely one).
+
+    **Raises:** `ValueError` for logits that are not `[batch, d_vocab]` floats with a
+    finite logit in every row and no NaN or `+inf`, a negative, NaN or infinite
+    `temperature`, `top_k < 1` or `top_p` outside `(0, 1]`; `TypeError` for arguments
+    of the wrong type (bools included).
+
+    ```python
+    >>> logits = torch.tensor([[0.0, 5.0, 1.0]])
+    >>> sample_logits(logits, temperature=0.0), sample_logits(logits, top_k=1)
+    (tensor([1]), tensor([1]))
+
+    ```
+    """
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise TypeError(
+            f"logits must be a floating tensor [batch, d_vocab], got "
+            f"{getattr(logits, 'dtype', type(logits).__name__)}"
+        )
+    if logits.dim() != 2 or 0 in logits.shape:
+        hint = "; for one row pass logits[None]" if logits.dim() == 1 else ""
+        raise ValueError(
+            f"logits must be [batch, d_vocab] with batch, d_vocab >= 1, got shape "
+            f"{tuple(logits.shape)}{hint}"
+        )
+    if bool((logits.isnan() | (logits == float("inf"))).any()) or not bool(
+        logits.isfinite().any(dim=-1).all()
     ):
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
-        raise ValueError(f"n_samples must be a positive int, got {n_samples!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be a positive int or None, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+        raise ValueError(
+            "logits hold NaN or +inf, or a row with no finite logit; there is no "
+            "distribution to sample from. Check the model's output"
+        )
+    _check_sampling(temperature, top_k, top_p)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator or None, got {type(generator).__name__}"
+        )
+    return _sample(logits, temperature, top_k, top_p, generator)
+
+
+def _seed(seed: Any) -> None:
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__} {seed!r}")
+    if not -(2**63) <= seed < 2**64:
+        raise ValueError(f"seed must be in [-2**63, 2**64) (torch.Generator's range), got {seed}")
+
+
+def _token_ids(values: Any, d_vocab: int, name: str) -> torch.Tensor:
+    return check_tokens(values, SimpleNamespace(d_vocab=d_vocab), name, rank=1)
 
 
 def generate(
@@ -134,6 +191,14 @@ def generate(
 
     **Returns:** a [`Generation`][safelens.Generation].
 
+    **Raises:** [`TokenError`][safelens.TokenError] when the prefix plus
+    `max_new_tokens` is longer than `n_ctx`, or for stop or pad tokens outside
+    `[0, d_vocab)`; [`CacheConfigError`][safelens.CacheConfigError] for a prefix made by
+    another model; what [`Prefix.check`][safelens.Prefix.check] raises for a prefix
+    whose parts disagree or whose cache is not frozen; `TypeError` / `ValueError` for
+    counts, flags, seeds or sampling settings of the wrong type or range (see
+    [`sample_logits`][safelens.sample_logits]). Nothing runs before these checks pass.
+
     ```python
     >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
     >>> model = HookedTransformer(HookedTransformerConfig(n_layers=2, d_model=16, n_ctx=32, d_head=8, d_vocab=20, act_fn="gelu"))
@@ -144,12 +209,27 @@ def generate(
 
     ```
     """
-    if not isinstance(prefix, Prefix):
-        raise TypeError(
-            f"generate needs a Prefix (from safelens.prefill), got {type(prefix).__name__}"
-        )
-    _check(max_new_tokens, n_samples, temperature, top_k, top_p)
+    cfg = check_prefix(model, prefix, "generate")
+    positive_int(max_new_tokens, "max_new_tokens")
+    positive_int(n_samples, "n_samples")
+    flag(do_sample, "do_sample")
+    _check_sampling(temperature, top_k, top_p)
+    _seed(seed)
+    d_vocab = getattr(cfg, "d_vocab_out", cfg.d_vocab)
     device = prefix.tokens.device
+    stops = torch.zeros(0, dtype=torch.long, device=device)
+    if stop_tokens is not None and not (isinstance(stop_tokens, list | tuple) and not stop_tokens):
+        stops = _token_ids(stop_tokens, d_vocab, "stop_tokens").to(device)
+    fill = int(stops[0]) if stops.numel() else 0
+    if pad_token is not None:
+        fill = int(_token_ids([pad_token], d_vocab, "pad_token")[0])
+    total = prefix.length + max_new_tokens
+    if total > cfg.n_ctx:
+        raise TokenError(
+            f"max_new_tokens={max_new_tokens} after a prefix of {prefix.length} positions "
+            f"makes {total} positions, more than the model's context n_ctx={cfg.n_ctx}; "
+            f"generate at most {cfg.n_ctx - prefix.length} new tokens, or shorten the prefix"
+        )
     rows = prefix.batch_size * n_samples
     if prefix.batch_size == 1:
         branch = prefix.cache.expand(rows)
@@ -160,8 +240,6 @@ def generate(
     generator = None
     if do_sample and seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
-    stops = torch.tensor(list(stop_tokens or []), dtype=torch.long, device=device)
-    fill = pad_token if pad_token is not None else (int(stops[0]) if stops.numel() else 0)
     tokens = torch.full((rows, max_new_tokens), fill, dtype=torch.long, device=device)
     log_probs = torch.zeros(rows, max_new_tokens, dtype=torch.float32, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -170,7 +248,7 @@ def generate(
     ones = torch.ones(rows, 1, dtype=torch.long, device=device)
     for step in range(max_new_tokens):
         if do_sample:
-            token = sample_logits(logits, temperature, top_k, top_p, generator)
+            token = _sample(logits, temperature, top_k, top_p, generator)
         else:
             token = logits.argmax(dim=-1)
         chosen = torch.log_softmax(logits.float(), dim=-1).gather(-1, token[:, None])[:, 0]

@@ -16,22 +16,45 @@ of every other position and, where the patch site allows, the last layer's MLP t
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int
 
-from ._errors import PatchingError
+from ._errors import PatchingError, TokenError
+from ._tokens import check_tokens
 
 __all__ = ["logit_diff_metric"]
 
 
-def _answers(value: int | torch.Tensor, batch: int, name: str) -> torch.Tensor:
-    tokens = torch.as_tensor(value).reshape(-1)
-    if tokens.is_floating_point() or tokens.numel() not in (1, batch):
+def _logits(value: Any, name: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise PatchingError(
+            f"{name} must be a tensor [batch, pos, d_vocab], got {type(value).__name__}"
+        )
+    if value.dim() != 3 or value.numel() == 0 or not value.is_floating_point():
+        raise PatchingError(
+            f"{name} must be a non-empty floating tensor [batch, pos, d_vocab], got shape "
+            f"{tuple(value.shape)} of {value.dtype}"
+        )
+    return value
+
+
+def _answers(value: Any, batch: int, d_vocab: int, name: str) -> torch.Tensor:
+    try:
+        tokens = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TokenError(
+            f"{name} must be an int or an integer tensor [batch={batch}], got "
+            f"{type(value).__name__}"
+        ) from None
+    if tokens.dim() > 1 or tokens.numel() not in (1, batch):
         raise PatchingError(
             f"{name} must be an int or an integer tensor [batch={batch}], got "
-            f"{tokens.dtype} of shape {tuple(torch.as_tensor(value).shape)}"
+            f"{tokens.dtype} of shape {tuple(tokens.shape)}"
         )
+    tokens = check_tokens(tokens.reshape(-1), SimpleNamespace(d_vocab=d_vocab), name, rank=1)
     return tokens.expand(batch)
 
 
@@ -69,17 +92,24 @@ def logit_diff_metric(
 
     ```
     """
-    if clean_logits.dim() != 3 or clean_logits.shape != corrupted_logits.shape:
+    clean_logits = _logits(clean_logits, "clean_logits")
+    corrupted_logits = _logits(corrupted_logits, "corrupted_logits")
+    if clean_logits.shape != corrupted_logits.shape:
         raise PatchingError(
             f"clean_logits {tuple(clean_logits.shape)} and corrupted_logits "
             f"{tuple(corrupted_logits.shape)} must both be [batch, pos, d_vocab] of one shape"
         )
-    batch = clean_logits.shape[0]
+    batch, _, d_vocab = clean_logits.shape
     device = clean_logits.device
-    right = _answers(answer_token, batch, "answer_token").to(device)
-    wrong = _answers(wrong_token, batch, "wrong_token").to(device)
-
-    return _LogitDiff(batch, right, wrong)._normalised(clean_logits, corrupted_logits)
+    right = _answers(answer_token, batch, d_vocab, "answer_token").to(device)
+    wrong = _answers(wrong_token, batch, d_vocab, "wrong_token").to(device)
+    if bool((right == wrong).all()):
+        raise PatchingError(
+            f"answer_token and wrong_token are the same token for every prompt "
+            f"({right.tolist()}); their logit difference is always 0. Pass the token the "
+            "corruption should make the model predict as wrong_token"
+        )
+    return _LogitDiff(batch, d_vocab, right, wrong)._normalised(clean_logits, corrupted_logits)
 
 
 class _LogitDiff:
@@ -87,14 +117,23 @@ class _LogitDiff:
 
     last_position_only = True
 
-    def __init__(self, batch: int, right: torch.Tensor, wrong: torch.Tensor) -> None:
+    def __init__(self, batch: int, d_vocab: int, right: torch.Tensor, wrong: torch.Tensor) -> None:
         self.batch = batch
+        self.d_vocab = d_vocab
         self.right = right
         self.wrong = wrong
         self.clean = self.corrupted = torch.zeros(())
 
     def _normalised(self, clean: torch.Tensor, corrupted: torch.Tensor) -> _LogitDiff:
         self.clean, self.corrupted = self._difference(clean), self._difference(corrupted)
+        span = float(self.clean - self.corrupted)
+        if span == 0 or not torch.isfinite(self.clean - self.corrupted):
+            raise PatchingError(
+                f"the clean and corrupted logit differences are {float(self.clean):.6g} and "
+                f"{float(self.corrupted):.6g}; the normalised metric divides by their "
+                f"difference ({span:.6g}), so it would be NaN or infinite. Use a corrupted "
+                "prompt that changes the answer (and logits without NaN or infinities)"
+            )
         return self
 
     def _difference(self, logits: torch.Tensor) -> torch.Tensor:
@@ -105,9 +144,16 @@ class _LogitDiff:
     def __call__(
         self, logits: Float[torch.Tensor, "rows pos d_vocab"]
     ) -> Float[torch.Tensor, " runs"]:
-        if logits.dim() != 3 or logits.shape[0] % self.batch:
+        if (
+            not isinstance(logits, torch.Tensor)
+            or logits.dim() != 3
+            or logits.shape[0] % self.batch
+            or logits.shape[0] == 0
+            or logits.shape[1] == 0
+            or logits.shape[2] != self.d_vocab
+        ):
             raise PatchingError(
-                f"logits of shape {tuple(logits.shape)} are not [runs * batch, pos, d_vocab] "
-                f"for batch={self.batch}"
+                f"logits of shape {tuple(getattr(logits, 'shape', ()))} are not [runs * "
+                f"batch, pos, d_vocab] for batch={self.batch}, d_vocab={self.d_vocab}"
             )
         return (self._difference(logits) - self.corrupted) / (self.clean - self.corrupted)

@@ -15,6 +15,10 @@ Caveat on memory: the attention scores against the prefix still take `rows * n_h
 new_tokens * pos` values per layer; `memory_budget` and `batch_size` bound how many
 rows run at once. The stored prefix is never written: it
 stays frozen and bitwise unchanged.
+
+Both check what they are given before anything runs: token ids (dtype, `0 <= id <
+d_vocab`, at most `n_ctx` positions counting the prefix), sizes and flags, and that the
+prefix is frozen, self-consistent and made by this model. A refused call changes nothing.
 """
 
 from __future__ import annotations
@@ -28,13 +32,39 @@ from jaxtyping import Float, Int
 
 from ._cache import KeyValueCache
 from ._config import CacheDimensions
-from ._errors import CacheShapeError
+from ._errors import CacheConfigError, CacheShapeError, FrozenCacheError, TokenError
 from ._shared_attention import shared_prefix_attention
+from ._tokens import check_tokens
 
 __all__ = ["Prefix", "ContinuationScores", "prefill", "score_continuations"]
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
 _AUTO_PROGRESS_BATCHES = 8
+
+
+def _described(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def positive_int(value: Any, name: str, *, optional: bool = False, unit: str = "") -> None:
+    """Refuse `value` unless it is an int >= 1 (or `None` when `optional`)."""
+    if value is None and optional:
+        return
+    expected = f"{name} must be a positive int{unit}{' or None' if optional else ''}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{expected}, got {_described(value)}")
+    if value < 1:
+        raise ValueError(f"{expected}, got {value}")
+
+
+def flag(value: Any, name: str, *, optional: bool = False) -> None:
+    """Refuse `value` with a `TypeError` unless it is a bool (or `None` when `optional`)."""
+    if value is None and optional:
+        return
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{name} must be True or False{' or None' if optional else ''}, got {_described(value)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -57,6 +87,62 @@ class Prefix:
     attention_mask: Int[torch.Tensor, "batch pos"]
     last_logits: Float[torch.Tensor, "batch d_vocab"]
     residuals: tuple[Float[torch.Tensor, "batch pos d_model"], ...] | None = None
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Check the parts agree: a frozen cache of `[batch, pos]`, tensors to match.
+
+        Runs when a `Prefix` is made, and again where one is used (its cache may have
+        been unfrozen or appended to since).
+
+        **Raises:** `TypeError` for a part of the wrong type;
+        [`TokenError`][safelens.TokenError] for tokens that are not integer
+        `[batch, pos]`; [`CacheShapeError`][safelens.CacheShapeError] for parts whose
+        shapes disagree; [`FrozenCacheError`][safelens.FrozenCacheError] for a cache that
+        is not frozen.
+        """
+        tensors = [self.tokens, self.attention_mask, self.last_logits, *(self.residuals or ())]
+        if not isinstance(self.cache, KeyValueCache) or not all(
+            isinstance(t, torch.Tensor) for t in tensors
+        ):
+            raise TypeError(
+                "a Prefix holds a KeyValueCache and tensors (tokens, attention_mask, "
+                f"last_logits, residuals), got {[type(t).__name__ for t in [self.cache, *tensors]]}"
+            )
+        batch, pos = check_tokens(self.tokens, None, "Prefix.tokens").shape
+        lengths = sorted({entry.sequence_length for entry in self.cache})
+        parts: list[tuple[str, Any, dict[str, int | None]]] = [
+            ("attention_mask", self.attention_mask.shape, {"batch": batch, "pos": pos}),
+            ("last_logits", self.last_logits.shape, {"batch": batch, "d_vocab": None}),
+            ("cache", (self.cache.batch_size, *lengths), {"batch": batch, "pos_so_far": pos}),
+            (
+                "cache.previous_attention_mask",
+                getattr(self.cache.previous_attention_mask, "shape", ()),
+                {"batch": batch, "pos_so_far": pos},
+            ),
+            *(
+                (f"residuals[{i}]", resid.shape, {"batch": batch, "pos": pos, "d_model": None})
+                for i, resid in enumerate(self.residuals or ())
+            ),
+        ]
+        for name, shape, expected in parts:
+            sizes = list(expected.values())
+            if len(shape) != len(sizes) or any(
+                size not in (None, got) for got, size in zip(shape, sizes, strict=True)
+            ):
+                named = ", ".join(k if v is None else f"{k}={v}" for k, v in expected.items())
+                raise CacheShapeError(
+                    f"Prefix.{name} has shape {tuple(shape)}; expected [{named}] to match the "
+                    f"prefix tokens [batch={batch}, pos={pos}]. The parts of a Prefix must come "
+                    "from one run: make prefixes with prefill(model, tokens)"
+                )
+        if not self.cache.frozen or not all(entry.frozen for entry in self.cache):
+            raise FrozenCacheError(
+                "Prefix.cache is not frozen, so a forward pass could store into the shared "
+                "prefix; call prefix.cache.freeze() (prefill returns it frozen)"
+            )
 
     @property
     def batch_size(self) -> int:
@@ -81,6 +167,8 @@ class Prefix:
 
         ```
         """
+        if isinstance(row, bool) or not isinstance(row, int):
+            raise TypeError(f"row must be an int, got {_described(row)}")
         if not -self.batch_size <= row < self.batch_size:
             raise IndexError(f"row {row} is out of range for a prefix of batch {self.batch_size}")
         cache = self.cache.select([row])
@@ -117,24 +205,37 @@ class ContinuationScores:
         return [row[keep] for row, keep in zip(self.log_probs, self.mask, strict=True)]
 
 
+def _model_config(model: Any, what: str) -> Any:
+    cfg = getattr(model, "cfg", None)
+    if cfg is None or not callable(model):
+        raise TypeError(
+            f"{what} needs a TransformerLens HookedTransformer as model, got {type(model).__name__}"
+        )
+    return cfg
+
+
 def _prefix_tokens(model: Any, tokens_or_text: Any) -> torch.Tensor:
-    if isinstance(tokens_or_text, str | list) and (
-        isinstance(tokens_or_text, str) or any(isinstance(t, str) for t in tokens_or_text)
+    name = "tokens_or_text"
+    if isinstance(tokens_or_text, str) or (
+        isinstance(tokens_or_text, list) and any(isinstance(t, str) for t in tokens_or_text)
     ):
+        if not isinstance(tokens_or_text, str) and not all(
+            isinstance(t, str) for t in tokens_or_text
+        ):
+            raise TypeError(f"{name} mixes text and token ids; pass a list of str or of ints")
         if getattr(model, "tokenizer", None) is None:
             raise ValueError(
-                "tokens_or_text is text but the model has no tokenizer; pass token ids "
+                f"{name} is text but the model has no tokenizer; pass token ids "
                 "(a [batch, pos] tensor) and an attention_mask instead"
             )
-        tokens = model.to_tokens(tokens_or_text)
-        return tokens
-    tokens = torch.as_tensor(tokens_or_text)
+        tokens_or_text = model.to_tokens(tokens_or_text)
+    tokens = check_tokens(tokens_or_text, model.cfg, name, rank=None)
     if tokens.dim() == 1:
         tokens = tokens[None]
-    if tokens.dim() != 2 or tokens.dtype.is_floating_point or tokens.shape[1] == 0:
-        raise CacheShapeError(
-            f"tokens_or_text must be integer token ids [batch, pos] with pos >= 1, got "
-            f"shape {tuple(tokens.shape)} of {tokens.dtype}"
+    if tokens.dim() != 2 or tokens.shape[0] == 0:
+        raise TokenError(
+            f"{name} must be token ids [batch, pos] (or [pos]) with batch >= 1, got shape "
+            f"{tuple(tokens.shape)}"
         )
     return tokens
 
@@ -146,12 +247,24 @@ def _prefix_mask(model: Any, tokens: torch.Tensor, attention_mask: Any) -> torch
 
             return get_attention_mask(model.tokenizer, tokens, model.cfg.default_prepend_bos).long()
         return torch.ones_like(tokens, dtype=torch.long)
-    mask = torch.as_tensor(attention_mask).to(tokens.device).long()
+    try:
+        mask = torch.as_tensor(attention_mask, device=tokens.device)
+    except (TypeError, ValueError, RuntimeError):
+        raise CacheShapeError(
+            f"attention_mask must be a [batch, pos] tensor of 0s and 1s, got "
+            f"{type(attention_mask).__name__}"
+        ) from None
     if mask.shape != tokens.shape:
         raise CacheShapeError(
             f"attention_mask of shape {tuple(mask.shape)} does not fit the tokens "
             f"[batch={tokens.shape[0]}, pos={tokens.shape[1]}]"
         )
+    if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
+        raise CacheShapeError(
+            f"attention_mask must hold only 0 (padding) and 1 (real token), got values "
+            f"{torch.unique(mask).tolist()[:8]} of {mask.dtype}"
+        )
+    mask = mask.long()
     if not bool((mask[:, -1] == 1).all()):
         raise CacheShapeError(
             "attention_mask has padding at the last position of some row; a prefix must be "
@@ -182,8 +295,11 @@ def prefill(
     **Returns:** a [`Prefix`][safelens.Prefix] whose cache is frozen.
 
     **Raises:** `ValueError` for text without a tokenizer;
-    [`CacheShapeError`][safelens.CacheShapeError] for tokens or a mask of the wrong
-    shape, or a right-padded mask.
+    [`TokenError`][safelens.TokenError] for tokens that are not integer ids in
+    `[0, d_vocab)` of at most `n_ctx` positions;
+    [`CacheShapeError`][safelens.CacheShapeError] for a mask of the wrong shape or
+    values, or a right-padded mask; `TypeError` for a model or `keep_residuals` of the
+    wrong type.
 
     ```python
     >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
@@ -194,9 +310,11 @@ def prefill(
 
     ```
     """
+    _model_config(model, "prefill")
     tokens = _prefix_tokens(model, tokens_or_text)
     tokens = tokens.to(model.cfg.device)
     mask = _prefix_mask(model, tokens, attention_mask)
+    flag(keep_residuals, "keep_residuals")
     cache = KeyValueCache.init_cache(model.cfg, model.cfg.device, batch_size=tokens.shape[0])
     residuals: dict[int, torch.Tensor] = {}
 
@@ -211,16 +329,25 @@ def prefill(
     return Prefix(cache, tokens, mask, logits[:, -1], kept)
 
 
-def _continuation_rows(continuations: Any, device: torch.device) -> list[torch.Tensor]:
+def _continuation_rows(continuations: Any, cfg: Any, past: int) -> list[torch.Tensor]:
     if isinstance(continuations, torch.Tensor):
         if continuations.dim() != 2:
-            raise CacheShapeError(
+            raise TokenError(
                 f"continuations as one tensor must be [n, new_tokens], got shape "
                 f"{tuple(continuations.shape)}; pass a list of 1-D tensors for ragged lengths"
             )
-        rows = list(continuations)
+        rows = list(check_tokens(continuations, cfg, "continuations", past=past))
     elif isinstance(continuations, Sequence) and not isinstance(continuations, str):
-        rows = [torch.as_tensor(c) for c in continuations]
+        rows = [
+            check_tokens(
+                torch.zeros(0, dtype=torch.long) if _empty(row) else row,
+                cfg,
+                f"continuations[{i}]",
+                past=past,
+                rank=1,
+            )
+            for i, row in enumerate(continuations)
+        ]
     else:
         raise TypeError(
             f"continuations must be a list of 1-D token tensors or lists, or an [n, "
@@ -228,13 +355,11 @@ def _continuation_rows(continuations: Any, device: torch.device) -> list[torch.T
         )
     if not rows:
         raise ValueError("continuations is empty; pass at least one continuation")
-    for i, row in enumerate(rows):
-        if row.dim() != 1 or row.numel() == 0 or row.dtype.is_floating_point:
-            raise CacheShapeError(
-                f"continuations[{i}] must be a non-empty 1-D sequence of token ids, got "
-                f"shape {tuple(row.shape)} of {row.dtype}"
-            )
-    return [row.to(device) for row in rows]
+    return rows
+
+
+def _empty(row: Any) -> bool:
+    return isinstance(row, list | tuple) and len(row) == 0
 
 
 def bytes_per_row(model: Any, prefix_length: int, new_tokens: int) -> int:
@@ -253,10 +378,6 @@ def bytes_per_row(model: Any, prefix_length: int, new_tokens: int) -> int:
 def _batches(
     count: int, per_row: int, batch_size: int | None, memory_budget: int | None
 ) -> list[range]:
-    if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
-        raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
-    if memory_budget is not None and memory_budget < 1:
-        raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget}")
     size = batch_size
     if size is None:
         budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
@@ -273,17 +394,35 @@ def _progress(items: list[range], progress: bool | None, what: str) -> Any:
     return tqdm(items, desc=what, unit="batch")
 
 
-def _batch_prefix(prefix: Prefix, what: str) -> None:
+def check_prefix(model: Any, prefix: Prefix, what: str) -> Any:
+    """Check `prefix` is a sound `Prefix` made by `model`; return `model.cfg`.
+
+    **Raises:** `TypeError` for a model or prefix of the wrong type; what
+    [`Prefix.check`][safelens.Prefix.check] raises; and
+    [`CacheConfigError`][safelens.CacheConfigError] when the prefix was made by another
+    model (its cache or logits do not fit `model.cfg`).
+    """
+    cfg = _model_config(model, what)
     if not isinstance(prefix, Prefix):
         raise TypeError(
             f"{what} needs a Prefix (from safelens.prefill), got {type(prefix).__name__}; "
             "prefill(model, tokens) returns the cache together with the prefix's last logits"
         )
-    if prefix.batch_size != 1:
-        raise CacheShapeError(
-            f"{what} needs a batch-1 prefix, got batch {prefix.batch_size}; use "
-            "prefix.select(row) to pick one row of a batch of prefixes"
-        )
+    prefix.check()
+    try:
+        prefix.cache.check_fits(cfg)
+        d_vocab = getattr(cfg, "d_vocab_out", cfg.d_vocab)
+        if prefix.last_logits.shape[-1] != d_vocab:
+            raise CacheConfigError(
+                f"last_logits: cfg expects d_vocab_out={d_vocab}, prefix has "
+                f"{prefix.last_logits.shape[-1]}"
+            )
+    except CacheConfigError as error:
+        raise CacheConfigError(
+            f"{what}: the prefix was made by another model; {error}. Run "
+            "prefill(model, tokens) with the model you continue it with"
+        ) from None
+    return cfg
 
 
 def score_continuations(
@@ -316,6 +455,14 @@ def score_continuations(
 
     **Returns:** [`ContinuationScores`][safelens.ContinuationScores], in the order given.
 
+    **Raises:** [`TokenError`][safelens.TokenError] for continuations that are not
+    integer ids in `[0, d_vocab)`, or that run past `n_ctx` after the prefix;
+    [`CacheConfigError`][safelens.CacheConfigError] for a prefix made by another model;
+    [`CacheShapeError`][safelens.CacheShapeError] or
+    [`FrozenCacheError`][safelens.FrozenCacheError] for a prefix of several rows, whose
+    parts disagree or whose cache is not frozen; `TypeError` / `ValueError` for sizes
+    or flags of the wrong type or range. Nothing runs before these checks pass.
+
     ```python
     >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
     >>> model = HookedTransformer(HookedTransformerConfig(n_layers=2, d_model=16, n_ctx=32, d_head=8, d_vocab=20, act_fn="gelu"))
@@ -326,8 +473,16 @@ def score_continuations(
 
     ```
     """
-    _batch_prefix(prefix, "score_continuations")
-    rows = _continuation_rows(continuations, prefix.tokens.device)
+    cfg = check_prefix(model, prefix, "score_continuations")
+    if prefix.batch_size != 1:
+        raise CacheShapeError(
+            f"score_continuations needs a batch-1 prefix, got batch {prefix.batch_size}; use "
+            "prefix.select(row) to pick one row of a batch of prefixes"
+        )
+    rows = _continuation_rows(continuations, cfg, prefix.length)
+    positive_int(batch_size, "batch_size", optional=True)
+    positive_int(memory_budget, "memory_budget", optional=True, unit=" (bytes)")
+    flag(progress, "progress", optional=True)
     lengths = torch.tensor([len(r) for r in rows])
     longest = int(lengths.max())
     order = torch.argsort(lengths, descending=True, stable=True).tolist()

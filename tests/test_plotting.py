@@ -31,3 +31,58 @@ def test_bad_result_and_labels() -> None:
         plot_patching_heatmap(torch.rand(5))
     with pytest.raises(PatchingError, match="labels has 2 entries; the result has 5"):
         plot_patching_heatmap(torch.rand(2, 5), labels=["a", "b"])
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "match"),
+    [
+        (
+            {"result": torch.rand(0, 5)},
+            PatchingError,
+            r"result is empty \(shape \(0, 5\)\); there is nothing to plot",
+        ),
+        ({"result": torch.rand(2, 0, 3)}, PatchingError, r"result is empty \(shape \(2, 0, 3\)\)"),
+        (
+            {"result": torch.tensor([[0.0, float("nan")], [1.0, 2.0]])},
+            PatchingError,
+            r"result holds 1 NaN or infinite values, the first nan at index \(0, 1\).*torch.nan_to_num",
+        ),
+        (
+            {"result": torch.tensor([[float("inf"), 1.0]])},
+            PatchingError,
+            r"the first inf at index \(0, 0\)",
+        ),
+        (
+            {"result": torch.ones(2, 2, dtype=torch.bool)},
+            PatchingError,
+            "result must hold real numbers, got dtype torch.bool",
+        ),
+        (
+            {"result": torch.ones(2, 2, dtype=torch.complex64)},
+            PatchingError,
+            "result must hold real numbers, got dtype torch.complex64",
+        ),
+        ({"result": [[0.0]]}, PatchingError, r"result must be a tensor \[layer, pos\], .*got list"),
+        (
+            {"labels": "abcde"},
+            TypeError,
+            r"labels must be a sequence of one label per x position, got str; for one-character labels pass list\(labels\)",
+        ),
+        (
+            {"labels": 5},
+            TypeError,
+            "labels must be a sequence of one label per x position, got int",
+        ),
+        ({"title": 3}, TypeError, "title must be a str, got int"),
+        ({"x_axis": None}, TypeError, "x_axis must be a str, got NoneType"),
+        ({"path": 3}, TypeError, "path must be a str, a Path or None, got int"),
+    ],
+)
+def test_bad_arguments(arguments: dict, error, match: str) -> None:
+    with pytest.raises(error, match=match):
+        plot_patching_heatmap(**{"result": torch.rand(2, 5), **arguments})
+
+
+def test_integer_results_and_non_string_labels() -> None:
+    figure = plot_patching_heatmap(torch.arange(6).reshape(2, 3), labels=[0, 1, 2])
+    assert [t.get_text() for t in panels(figure)[0].get_xticklabels()] == ["0", "1", "2"]

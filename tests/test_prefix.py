@@ -9,12 +9,17 @@ from hypothesis import strategies as st
 from models import D_VOCAB, make_model, tokens
 
 from safelens import (
+    CacheConfigError,
     CacheShapeError,
+    FrozenCacheError,
     KeyValueCache,
     Prefix,
+    TokenError,
     prefill,
     score_continuations,
 )
+
+N_CTX = 256
 
 
 def snapshot(cache: KeyValueCache) -> list[torch.Tensor]:
@@ -157,28 +162,352 @@ def test_text_without_tokenizer_is_refused() -> None:
         prefill(make_model("rotary"), "hello world")
 
 
-def test_bad_prefix_inputs() -> None:
+@pytest.mark.parametrize(
+    ("tokens_or_text", "error", "match"),
+    [
+        (
+            torch.zeros(1, 4),
+            TokenError,
+            r"tokens_or_text must hold integer token ids \(torch.long\), got dtype torch.float32",
+        ),
+        (
+            torch.ones(1, 4, dtype=torch.bool),
+            TokenError,
+            "got dtype torch.bool. Token ids index the embedding",
+        ),
+        (
+            torch.tensor([[3, -1]]),
+            TokenError,
+            r"token id -1 at index \(0, 1\); ids must be in \[0, d_vocab=61\)",
+        ),
+        (
+            torch.tensor([[3, 61]]),
+            TokenError,
+            r"token id 61 at index \(0, 1\); ids must be in \[0, d_vocab=61\)",
+        ),
+        ([[1, 2], [3]], TokenError, "tokens_or_text must be integer token ids, got list"),
+        (
+            torch.zeros(1, N_CTX + 1, dtype=torch.long),
+            TokenError,
+            "257 positions: 257 in all, more than the model's context n_ctx=256",
+        ),
+        (
+            torch.zeros(1, 0, dtype=torch.long),
+            TokenError,
+            r"must hold at least one position, got shape \(1, 0\)",
+        ),
+        (
+            torch.zeros(0, 3, dtype=torch.long),
+            TokenError,
+            r"\[batch, pos\] \(or \[pos\]\) with batch >= 1, got shape \(0, 3\)",
+        ),
+        (
+            torch.zeros(1, 2, 3, dtype=torch.long),
+            TokenError,
+            r"\[batch, pos\] \(or \[pos\]\) with batch >= 1, got shape \(1, 2, 3\)",
+        ),
+        (["text", 3], TypeError, "tokens_or_text mixes text and token ids"),
+    ],
+)
+def test_prefill_refuses_bad_tokens(tokens_or_text, error, match: str) -> None:
+    with pytest.raises(error, match=match):
+        prefill(make_model("rotary"), tokens_or_text)
+
+
+@pytest.mark.parametrize(
+    ("mask", "error", "match"),
+    [
+        (torch.ones(1, 5), CacheShapeError, r"does not fit the tokens \[batch=1, pos=4\]"),
+        (torch.tensor([[1, 1, 1, 0]]), CacheShapeError, "must be left-padded"),
+        (
+            torch.tensor([[0, 2, 1, 1]]),
+            CacheShapeError,
+            r"only 0 \(padding\) and 1 \(real token\), got values \[0, 1, 2\]",
+        ),
+        (
+            torch.tensor([[1.0, float("nan"), 1.0, 1.0]]),
+            CacheShapeError,
+            "only 0 .* and 1 .*, got values",
+        ),
+        ("ones", CacheShapeError, "attention_mask must be a .* tensor of 0s and 1s, got str"),
+    ],
+)
+def test_prefill_refuses_bad_masks(mask, error, match: str) -> None:
+    with pytest.raises(error, match=match):
+        prefill(make_model("rotary"), tokens(1, 4), attention_mask=mask)
+
+
+def test_prefill_accepts_bool_and_float_masks_of_zeros_and_ones() -> None:
     model = make_model("rotary")
-    with pytest.raises(CacheShapeError, match=r"integer token ids \[batch, pos\]"):
-        prefill(model, torch.zeros(1, 4))
-    with pytest.raises(CacheShapeError, match=r"does not fit the tokens \[batch=1, pos=4\]"):
-        prefill(model, tokens(1, 4), attention_mask=torch.ones(1, 5))
-    with pytest.raises(CacheShapeError, match="must be left-padded"):
-        prefill(model, tokens(1, 4), attention_mask=torch.tensor([[1, 1, 1, 0]]))
+    batch = tokens(2, 5)
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    expected = prefill(model, batch, attention_mask=mask)
+    for other in (mask.bool(), mask.float()):
+        got = prefill(model, batch, attention_mask=other)
+        assert torch.equal(got.attention_mask, expected.attention_mask)
+        torch.testing.assert_close(got.last_logits, expected.last_logits)
 
 
-def test_bad_continuation_inputs() -> None:
+def test_prefill_refuses_bad_model_and_flags() -> None:
+    with pytest.raises(
+        TypeError, match="prefill needs a TransformerLens HookedTransformer as model, got str"
+    ):
+        prefill("gpt2", tokens(1, 4))
+    with pytest.raises(TypeError, match="keep_residuals must be True or False, got int 1"):
+        prefill(make_model("rotary"), tokens(1, 4), keep_residuals=1)  # type: ignore[arg-type]
+
+
+def test_prefill_at_the_context_limit_matches_transformer_lens() -> None:
+    model = make_model("rotary")
+    prompt = tokens(1, N_CTX - 1)[0]
+    prefix = prefill(model, prompt)
+    continuation = tokens(1, 1, seed=4)[0]
+    scores = score_continuations(model, prefix, [continuation])
+    expected = reference_log_probs(model, prompt, continuation)
+    torch.testing.assert_close(scores.log_probs[0], expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(
+        TokenError,
+        match="continuations\\[0\\] has 2 positions after 255 cached positions: 257 in all",
+    ):
+        score_continuations(model, prefix, [tokens(1, 2, seed=4)[0]])
+
+
+BAD_SCORE_CALLS = [
+    (
+        {"continuations": [[3, -1]]},
+        TokenError,
+        r"continuations\[0\] holds token id -1 at index \(1,\); ids must be in \[0, d_vocab=61\)",
+    ),
+    (
+        {"continuations": [[2], [61]]},
+        TokenError,
+        r"continuations\[1\] holds token id 61 at index \(0,\)",
+    ),
+    (
+        {"continuations": [[True, False]]},
+        TokenError,
+        r"continuations\[0\] must hold integer token ids \(torch.long\), got dtype torch.bool",
+    ),
+    (
+        {"continuations": torch.ones(2, 3, dtype=torch.bool)},
+        TokenError,
+        r"continuations must hold integer token ids \(torch.long\), got dtype torch.bool",
+    ),
+    (
+        {"continuations": torch.tensor([[1, 2], [3, 99]])},
+        TokenError,
+        r"continuations holds token id 99 at index \(1, 1\)",
+    ),
+    (
+        {"continuations": [[1.0, 2.0]]},
+        TokenError,
+        r"continuations\[0\] must hold integer token ids \(torch.long\), got dtype torch.float32",
+    ),
+    (
+        {"continuations": [list(range(50)) * 5]},
+        TokenError,
+        r"continuations\[0\] has 250 positions after 8 cached positions: 258 in all, more than the model's context n_ctx=256",
+    ),
+    (
+        {"continuations": [[1], []]},
+        TokenError,
+        r"continuations\[1\] must hold at least one position, got shape \(0,\)",
+    ),
+    (
+        {"continuations": [[[1, 2]]]},
+        TokenError,
+        r"continuations\[0\] must be rank 1 token ids, got shape \(1, 2\)",
+    ),
+    (
+        {"continuations": torch.zeros(2, 3, 4, dtype=torch.long)},
+        TokenError,
+        r"as one tensor must be \[n, new_tokens\], got shape \(2, 3, 4\); pass a list",
+    ),
+    ({"continuations": []}, ValueError, "continuations is empty"),
+    ({"continuations": "abc"}, TypeError, "continuations must be a list of 1-D token tensors"),
+    ({"batch_size": 0}, ValueError, "batch_size must be a positive int or None, got 0"),
+    ({"batch_size": -2}, ValueError, "batch_size must be a positive int or None, got -2"),
+    ({"batch_size": True}, TypeError, "batch_size must be a positive int or None, got bool True"),
+    ({"batch_size": 2.0}, TypeError, "batch_size must be a positive int or None, got float 2.0"),
+    ({"batch_size": "2"}, TypeError, "batch_size must be a positive int or None, got str '2'"),
+    (
+        {"memory_budget": 0},
+        ValueError,
+        r"memory_budget must be a positive int \(bytes\) or None, got 0",
+    ),
+    (
+        {"memory_budget": -1},
+        ValueError,
+        r"memory_budget must be a positive int \(bytes\) or None, got -1",
+    ),
+    (
+        {"memory_budget": False},
+        TypeError,
+        r"memory_budget must be a positive int \(bytes\) or None, got bool False",
+    ),
+    (
+        {"memory_budget": 1e9},
+        TypeError,
+        r"memory_budget must be a positive int \(bytes\) or None, got float 1000000000.0",
+    ),
+    (
+        {"memory_budget": "1GB"},
+        TypeError,
+        r"memory_budget must be a positive int \(bytes\) or None, got str '1GB'",
+    ),
+    ({"progress": 1}, TypeError, "progress must be True or False or None, got int 1"),
+    ({"progress": "yes"}, TypeError, "progress must be True or False or None, got str 'yes'"),
+    (
+        {"model": "gpt2"},
+        TypeError,
+        "score_continuations needs a TransformerLens HookedTransformer as model, got str",
+    ),
+]
+
+
+@pytest.mark.parametrize(("arguments", "error", "match"), BAD_SCORE_CALLS)
+def test_bad_score_arguments_leave_the_prefix_unchanged(arguments: dict, error, match: str) -> None:
+    model = make_model("rotary")
+    prefix = prefill(model, tokens(1, 8))
+    before = snapshot(prefix.cache)
+    call = {"model": model, "prefix": prefix, "continuations": [[1, 2]], **arguments}
+    with pytest.raises(error, match=match):
+        score_continuations(**call)
+    assert_unchanged(prefix.cache, before)
+
+
+def test_negative_token_id_is_not_read_as_the_last_vocabulary_entry() -> None:
+    model = make_model("rotary")
+    prefix = prefill(model, tokens(1, 5))
+    with pytest.raises(TokenError, match="token id -1"):
+        score_continuations(model, prefix, [[-1]])
+    with pytest.raises(TokenError, match="token id -1"):
+        prefill(model, torch.tensor([4, -1]))
+
+
+@pytest.mark.parametrize(
+    ("other", "match"),
+    [
+        (
+            {"d_model": 32},
+            r"score_continuations: the prefix was made by another model; the cache does not fit the model config: d_head: cfg expects 16, cache has 8",
+        ),
+        (
+            {"n_layers": 3},
+            r"the prefix was made by another model; .*layers: cfg expects 2, cache has 3",
+        ),
+        (
+            {"n_kv_heads": 2},
+            r"the prefix was made by another model; .*n_kv_heads: cfg expects 4, cache has 2",
+        ),
+        (
+            {"dtype": torch.bfloat16},
+            r"the prefix was made by another model; .*dtype: cfg expects torch.float32, cache has torch.bfloat16",
+        ),
+    ],
+)
+def test_prefix_from_another_model_is_refused(other: dict, match: str) -> None:
+    model = make_model("rotary")
+    prefix = prefill(make_model("rotary", **other), tokens(1, 6))
+    before = snapshot(prefix.cache)
+    with pytest.raises(CacheConfigError, match=match):
+        score_continuations(model, prefix, [[1, 2]])
+    assert_unchanged(prefix.cache, before)
+
+
+def test_prefix_with_logits_of_another_vocabulary_is_refused() -> None:
+    model = make_model("rotary")
+    prefix = prefill(model, tokens(1, 6))
+    narrow = Prefix(prefix.cache, prefix.tokens, prefix.attention_mask, prefix.last_logits[:, :50])
+    with pytest.raises(
+        CacheConfigError,
+        match="made by another model; last_logits: cfg expects d_vocab_out=61, prefix has 50",
+    ):
+        score_continuations(model, narrow, [[1, 2]])
+
+
+def test_prefix_parts_must_agree() -> None:
+    model = make_model("rotary")
+    prefix = prefill(model, tokens(1, 6))
+    cache, toks, mask, last = prefix.cache, prefix.tokens, prefix.attention_mask, prefix.last_logits
+    with pytest.raises(
+        CacheShapeError,
+        match=r"Prefix.cache has shape \(1, 6\); expected \[batch=1, pos_so_far=5\] to match the prefix tokens \[batch=1, pos=5\]",
+    ):
+        Prefix(cache, toks[:, :5], mask[:, :5], last)
+    with pytest.raises(
+        CacheShapeError,
+        match=r"Prefix.attention_mask has shape \(1, 5\); expected \[batch=1, pos=6\]",
+    ):
+        Prefix(cache, toks, mask[:, :5], last)
+    with pytest.raises(
+        CacheShapeError,
+        match=r"Prefix.last_logits has shape \(61,\); expected \[batch=1, d_vocab\]",
+    ):
+        Prefix(cache, toks, mask, last[0])
+    with pytest.raises(
+        CacheShapeError,
+        match=r"Prefix.residuals\[1\] has shape \(1, 4, 64\); expected \[batch=1, pos=6, d_model\]",
+    ):
+        Prefix(cache, toks, mask, last, (prefix.residuals[0], prefix.residuals[1][:, :4]))
+    with pytest.raises(TokenError, match="Prefix.tokens must hold integer token ids"):
+        Prefix(cache, toks.float(), mask, last)
+    with pytest.raises(
+        TypeError, match=r"a Prefix holds a KeyValueCache and tensors .*got \['list'"
+    ):
+        Prefix([], toks, mask, last)  # type: ignore[arg-type]
+    unfrozen = cache.fork()
+    with pytest.raises(
+        FrozenCacheError, match=r"Prefix.cache is not frozen, .* call prefix.cache.freeze\(\)"
+    ):
+        Prefix(unfrozen, toks, mask, last)
+
+
+def test_prefix_changed_after_it_was_made_is_refused() -> None:
+    model = make_model("rotary")
+    prefix = prefill(model, tokens(1, 6))
+    prefix.cache.unfreeze()
+    with pytest.raises(FrozenCacheError, match="Prefix.cache is not frozen"):
+        score_continuations(model, prefix, [[1, 2]])
+    new = torch.zeros(1, 1, 4, 16)
+    for layer in range(model.cfg.n_layers):
+        prefix.cache.append(layer, new, new)
+    prefix.cache.freeze()
+    with pytest.raises(
+        CacheShapeError,
+        match=r"Prefix.cache has shape \(1, 7\); expected \[batch=1, pos_so_far=6\]",
+    ):
+        score_continuations(model, prefix, [[1, 2]])
+
+
+@pytest.mark.parametrize(
+    ("row", "error", "match"),
+    [
+        (True, TypeError, "row must be an int, got bool True"),
+        (0.0, TypeError, "row must be an int, got float 0.0"),
+        ("0", TypeError, "row must be an int, got str '0'"),
+        (2, IndexError, "row 2 is out of range for a prefix of batch 2"),
+        (-3, IndexError, "row -3 is out of range for a prefix of batch 2"),
+    ],
+)
+def test_select_refuses_bad_rows(row, error, match: str) -> None:
+    prefix = prefill(make_model("rotary"), tokens(2, 4))
+    before = snapshot(prefix.cache)
+    with pytest.raises(error, match=match):
+        prefix.select(row)
+    assert_unchanged(prefix.cache, before)
+
+
+def test_select_negative_rows() -> None:
+    prefix = prefill(make_model("rotary"), tokens(3, 4))
+    for row in (-1, -2, -3):
+        assert torch.equal(prefix.select(row).tokens, prefix.tokens[row][None])
+
+
+def test_batch_of_prefixes_needs_select() -> None:
     model = make_model("rotary")
     prefix = prefill(model, tokens(2, 4))
     with pytest.raises(CacheShapeError, match=r"batch-1 prefix, got batch 2; use prefix.select"):
         score_continuations(model, prefix, [[1]])
-    one = prefix.select(0)
     with pytest.raises(TypeError, match="needs a Prefix"):
-        score_continuations(model, one.cache, [[1]])  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="continuations is empty"):
-        score_continuations(model, one, [])
-    with pytest.raises(CacheShapeError, match=r"continuations\[1\] must be a non-empty 1-D"):
-        score_continuations(model, one, [[1], []])
-    with pytest.raises(ValueError, match="batch_size must be a positive int"):
-        score_continuations(model, one, [[1]], batch_size=0)
-    assert isinstance(one, Prefix)
+        score_continuations(model, prefix.cache, [[1]])  # type: ignore[arg-type]

@@ -1,0 +1,428 @@
+"""A safelens cache for HuggingFace causal LMs: `HFKeyValueCache`, a `transformers.Cache`.
+
+Pass it to a HuggingFace causal LM's forward or `generate` (under the name
+[`hf_cache_argument`][safelens.hf_cache_argument] gives) and it gives the model's own
+numbers, storing keys and values in safelens storage (`safelens._hf_layer`): amortised
+O(1) appends, freezing, copy-on-write branches and hook points on keys and values
+(`safelens._hf_hooks`). `update` is the seam: head-major `[batch, n_kv_heads,
+new_tokens, d_head]` keys after the rotary embedding.
+
+A pass whose `update` raises (a hook raises or returns a misfit, keys that do not fit)
+leaves the cache as it was before the pass: every layer is snapshotted at the pass's
+first update and restored. For failures the cache cannot see (a model hook raising
+between layers, an interrupt), run the pass in `with cache.guard():`.
+
+Caveats: `crop`, `reorder_cache`, `batch_repeat_interleave`, `batch_select_indices` and
+`reset` are HuggingFace's *in-place* methods (`generate` calls them): unlike
+`KeyValueCache.crop`, `crop` here mutates, and `cropped` is the non-mutating crop. A
+frozen cache stores nothing, so run `generate` and multi-step loops on `cache.fork()`.
+Nothing is evicted, also for sliding-window layers: the mask applies the window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache
+
+from ._cache import _check_rows
+from ._config import CacheDimensions
+from ._errors import CacheShapeError, FrozenCacheError, HookError
+from ._frozen import FrozenFlag
+from ._hf_hooks import FwdHooks, attached, resolve, resolve_hooks
+from ._hf_layer import HOOK_POINTS, HFCacheLayer
+from ._hook_point import CacheHookPoint
+from ._storage import Sequence
+
+__all__ = ["HFKeyValueCache"]
+
+
+class HFKeyValueCache(Cache):
+    """A `transformers.Cache` whose storage, freezing and hook points are safelens'.
+
+    **Arguments:**
+
+    - `config`: a HuggingFace config (or `None`). With one, the cache starts with one
+      empty layer per `num_hidden_layers`, so every hook point exists before the first
+      forward; without, layers are created on first use.
+
+    **Raises:** [`CacheConfigError`][safelens.CacheConfigError] for a config without a
+    layer count.
+    - `frozen`: start frozen.
+
+    ```python
+    >>> cache = HFKeyValueCache()
+    >>> keys, values = cache.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), 0)
+    >>> keys.shape, cache.get_seq_length(), cache.layers[0].hook_k_new.name
+    (torch.Size([1, 2, 3, 4]), 3, 'model.layers.0.kv_cache.hook_k_new')
+
+    ```
+    """
+
+    layers: list[HFCacheLayer]  # type: ignore[assignment]  # only ever HFCacheLayers
+
+    def __init__(self, config: Any = None, frozen: bool = False) -> None:
+        super().__init__(layers=[])
+        if config is not None:
+            text = (
+                config.get_text_config(decoder=True)
+                if hasattr(config, "get_text_config")
+                else config
+            )
+            self._grow(CacheDimensions.of(text).n_layers)
+        self._frozen = bool(frozen)
+        self._pass: Callable[[], None] | None = None
+        self._last_layer = -1
+        self._level = 0
+
+    def _grow(self, n_layers: int) -> None:
+        while len(self.layers) < n_layers:
+            self.layers.append(HFCacheLayer(len(self.layers)))
+
+    # -- the seam ---------------------------------------------------------------------
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append head-major keys/values to layer `layer_idx`; return cached + new.
+
+        Stores nothing while frozen. An update with a layer index not above the previous
+        one starts a forward pass: every layer is snapshotted then, and if this or a
+        later update of the pass raises, the whole cache is put back. `args`/`kwargs`
+        are what HuggingFace attention passes along; they are ignored.
+
+        **Arguments:**
+
+        - `key_states`, `value_states`: `[batch, n_kv_heads, new_tokens, d_head]`.
+        - `layer_idx`: the layer.
+
+        **Returns:** `(keys, values)`, `[batch, n_kv_heads, pos_so_far + new_tokens, d_head]`.
+
+        **Raises:** [`CacheShapeError`][safelens.CacheShapeError] for keys or values that
+        do not fit the layer; [`HookError`][safelens.HookError] from a hook's result.
+        """
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
+            raise TypeError(f"layer_idx must be an int >= 0, got {layer_idx!r}")
+        if self._frozen:
+            # A frozen cache is never changed, not even by adding a layer.
+            exists = layer_idx < len(self.layers)
+            layer = self.layers[layer_idx] if exists else HFCacheLayer(layer_idx)
+            return layer.update(key_states, value_states, store=False)
+        if self._pass is None or layer_idx <= self._last_layer:
+            self._pass = self._snapshot()
+        restore, self._last_layer = self._pass, layer_idx
+        last = layer_idx == len(self.layers) - 1
+        try:
+            self._grow(layer_idx + 1)
+            result = self.layers[layer_idx].update(key_states, value_states)
+        except BaseException:
+            restore()
+            raise
+        if last:
+            # No update of this pass is left to undo, and the snapshot would keep any
+            # buffer the pass outgrew alive until the next pass.
+            self._pass = None
+        return result
+
+    def _snapshot(self) -> Callable[[], None]:
+        layers = list(self.layers)
+        restores = [layer.snapshot() for layer in layers]
+
+        def restore() -> None:
+            self.layers[:] = layers
+            for layer_restore in restores:
+                layer_restore()
+            self._pass, self._last_layer = None, -1
+
+        return restore
+
+    @contextmanager
+    def guard(self) -> Iterator[HFKeyValueCache]:
+        """Put the cache back as it was on entry if the block raises; yields the cache.
+
+        ```python
+        >>> cache = HFKeyValueCache()
+        >>> try:
+        ...     with cache.guard():
+        ...         _ = cache.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4), 0)
+        ...         raise KeyboardInterrupt
+        ... except KeyboardInterrupt:
+        ...     pass
+        >>> cache.get_seq_length()
+        0
+
+        ```
+        """
+        restore = self._snapshot()
+        try:
+            yield self
+        except BaseException:
+            restore()
+            raise
+
+    # -- freezing ---------------------------------------------------------------------
+
+    @property
+    def frozen(self) -> FrozenFlag:
+        """Whether updates store; `with cache.frozen(): …` freezes for a block."""
+        return FrozenFlag(self, self._frozen)
+
+    @frozen.setter
+    def frozen(self, value: bool) -> None:
+        self._frozen = bool(value)
+
+    def freeze(self) -> None:
+        """Stop storing: `update` returns cached + new keys/values, changes nothing."""
+        self._frozen = True
+
+    def unfreeze(self) -> None:
+        """Store updates again."""
+        self._frozen = False
+
+    # -- branching (never mutates this cache) ------------------------------------------
+
+    def _derived(self, op: Callable[[Sequence], Sequence]) -> HFKeyValueCache:
+        result = HFKeyValueCache()
+        result.layers.extend(layer.derived(op) for layer in self.layers)
+        return result
+
+    def fork(self) -> HFKeyValueCache:
+        """A branch sharing everything cached so far, taking its own updates (unfrozen).
+
+        ```python
+        >>> prefix = HFKeyValueCache()
+        >>> _ = prefix.update(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4), 0)
+        >>> branch = prefix.fork()
+        >>> _ = branch.update(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4), 0)
+        >>> branch.get_seq_length(), prefix.get_seq_length()
+        (6, 5)
+
+        ```
+        """
+        return self._derived(Sequence.fork)
+
+    def expand(self, n: int) -> HFKeyValueCache:
+        """This batch-1 cache broadcast to `n` rows without copying it (unfrozen).
+
+        **Raises:** [`CacheShapeError`][safelens.CacheShapeError] when the batch is not 1.
+
+        ```python
+        >>> prefix = HFKeyValueCache()
+        >>> _ = prefix.update(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4), 0)
+        >>> prefix.expand(8).layers[0].keys.shape
+        torch.Size([8, 2, 5, 4])
+
+        ```
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be a positive int, got {n!r}")
+        if self.batch_size != 1:
+            raise CacheShapeError(
+                f"expand(n) needs a batch-1 cache; this cache has batch {self.batch_size}"
+                f"{' (it holds nothing yet)' if self.batch_size < 0 else ''}. Use "
+                "select([row]) first to pick one row"
+            )
+        return self._derived(lambda seq: seq.expand(n))
+
+    def cropped(self, length: int) -> HFKeyValueCache:
+        """The first `length` positions (negative: all but the last `-length`), unfrozen.
+
+        Shares storage with this cache, which is unchanged (`crop` is HF's in-place one).
+
+        ```python
+        >>> cache = HFKeyValueCache()
+        >>> _ = cache.update(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4), 0)
+        >>> cache.cropped(3).get_seq_length(), cache.cropped(-1).get_seq_length()
+        (3, 4)
+
+        ```
+        """
+        total = self.get_seq_length()
+        if isinstance(length, bool) or not isinstance(length, int):
+            raise TypeError(f"length must be an int, got {type(length).__name__}")
+        kept = total + length if length < 0 else length
+        if not 0 <= kept <= total:
+            raise ValueError(
+                f"length must be in [-{total}, {total}] for a cache of {total} positions, "
+                f"got {length}"
+            )
+        return self._derived(lambda seq: seq.crop(kept))
+
+    def select(self, rows: int | slice | list[int] | torch.Tensor) -> HFKeyValueCache:
+        """The batch rows `rows` (any index torch accepts), in storage of their own.
+
+        ```python
+        >>> cache = HFKeyValueCache()
+        >>> _ = cache.update(torch.zeros(4, 2, 5, 4), torch.zeros(4, 2, 5, 4), 0)
+        >>> cache.select([0, 2]).batch_size, cache.select(-1).batch_size
+        (2, 1)
+
+        ```
+        """
+        index = self._rows(rows)
+        return self._derived(lambda seq: seq.select(index))
+
+    def clone(self) -> HFKeyValueCache:
+        """An independent deep copy (same frozen flag), sharing no storage."""
+        result = self._derived(Sequence.clone)
+        result._frozen = self._frozen
+        return result
+
+    def _rows(self, rows: Any) -> torch.Tensor:
+        batch = max(self.batch_size, 0)
+        _check_rows(rows)
+        device = rows.device if isinstance(rows, torch.Tensor) else None
+        try:
+            index = torch.arange(batch, device=device)[rows].reshape(-1)
+        except (IndexError, TypeError, RuntimeError) as error:
+            raise IndexError(
+                f"rows {rows!r} do not index a batch of {batch} rows: {error}"
+            ) from None
+        if index.numel() == 0:
+            raise IndexError(f"rows {rows!r} select no row of a batch of {batch}")
+        return index
+
+    # -- HuggingFace's in-place methods -----------------------------------------------
+
+    def _mutable(self, call: str) -> None:
+        if self._frozen:
+            raise FrozenCacheError(
+                f"{call} changes the cache in place, and this cache is frozen; call it on "
+                "cache.fork() (or unfreeze() first)"
+            )
+
+    def crop(self, max_length: int) -> None:
+        """In place (as HuggingFace's): `-k` drops the last `k` positions of each layer.
+
+        `0` changes nothing (transformers >= 5 calls it so); a positive `n` keeps the first
+        `n` (the meaning transformers < 5 gave it). Use `cropped` for a new cache instead.
+
+        **Raises:** [`FrozenCacheError`][safelens.FrozenCacheError] when frozen and the
+        call would change something.
+        """
+        if isinstance(max_length, bool) or not isinstance(max_length, int):
+            raise TypeError(f"max_length must be an int, got {type(max_length).__name__}")
+        keep: Callable[[int], int] = (
+            (lambda n: max(n + max_length, 0)) if max_length < 0 else (lambda n: min(max_length, n))
+        )
+        if max_length == 0 or all(
+            keep(x.get_seq_length()) == x.get_seq_length() for x in self.layers
+        ):
+            return
+        self._mutable(f"crop({max_length})")
+        for layer in self.layers:
+            layer.replace(lambda seq: seq.crop(keep(seq.length)))
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """In place: batch row `i` becomes row `beam_idx[i]` (beam search)."""
+        self._mutable("reorder_cache(beam_idx)")
+        if self.batch_size > 0:
+            index = self._rows(beam_idx)
+            for layer in self.layers:
+                layer.replace(lambda seq: seq.select(index))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """In place: each batch row repeated `repeats` times, as `repeat_interleave`."""
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+        self._mutable(f"batch_repeat_interleave({repeats})")
+        if self.batch_size > 0:
+            self.reorder_cache(torch.arange(self.batch_size).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """In place: keep only batch rows `indices`."""
+        self._mutable("batch_select_indices(indices)")
+        if self.batch_size > 0:
+            self.reorder_cache(indices)
+
+    def reset(self) -> None:
+        """In place: empty every layer (their hook points stay)."""
+        self._mutable("reset()")
+        for layer in self.layers:
+            layer.reset()
+
+    # -- what HuggingFace reads -------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        """Rows of the cache; -1 before anything is stored (HuggingFace's convention)."""
+        return next((layer.batch for layer in self.layers if layer.batch is not None), -1)
+
+    @property
+    def is_compileable(self) -> bool:
+        """False: the storage grows, so `generate` never compiles around it."""
+        return False
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        """False for every layer: nothing is evicted, the mask applies any window."""
+        return [False] * len(self.layers)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        """-1: no maximum length."""
+        return -1
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        """-1: no maximum length (transformers < 5 asks under this name)."""
+        return -1
+
+    # -- hook points ------------------------------------------------------------------
+
+    def hook_points(self) -> dict[str, CacheHookPoint]:
+        """Every hook point of every layer, by name (`model.layers.{l}.kv_cache.…`)."""
+        points = (getattr(layer, point) for layer in self.layers for point in HOOK_POINTS)
+        return {point.name: point for point in points}
+
+    def hook_point(self, name: str) -> CacheHookPoint:
+        """The hook point `name`; a layer the cache lacks is created (empty).
+
+        ```python
+        >>> HFKeyValueCache().hook_point("model.layers.1.kv_cache.hook_v_full")
+        CacheHookPoint(name='model.layers.1.kv_cache.hook_v_full', 0 fwd)
+
+        ```
+        """
+        if not isinstance(name, str):
+            raise HookError(f"name must be a hook name (a str), got {type(name).__name__}")
+        ((layer, point),) = resolve(name, self.layers)
+        self._grow(layer + 1)
+        hook_point: CacheHookPoint = getattr(self.layers[layer], point)
+        return hook_point
+
+    @contextmanager
+    def hooks(self, fwd_hooks: FwdHooks) -> Iterator[HFKeyValueCache]:
+        """Attach `[(names, fn), ...]` for the block, inside [`guard`][safelens.HFKeyValueCache.guard].
+
+        `names` is a hook name, a list of names, or a predicate over the existing layers'
+        names. Every name is checked before any hook is attached; on exit the block's
+        hooks are removed, also when it raises.
+
+        **Raises:** [`HookError`][safelens.HookError] for an unknown name or a hook that
+        is not callable; nothing is attached then.
+        """
+        chosen = resolve_hooks(fwd_hooks, self.layers)
+        self._grow(1 + max((layer for layer, _, _ in chosen), default=-1))
+        self._level += 1
+        points = [(getattr(self.layers[layer], point), fn) for layer, point, fn in chosen]
+        with attached(points, self._level), self.guard():
+            yield self
+
+    # -- views ------------------------------------------------------------------------
+
+    def storages(self) -> set[int]:
+        """Data pointers of all storage this cache reads, to check sharing."""
+        return {ptr for layer in self.layers for ptr in layer.storages()}
+
+    def __repr__(self) -> str:
+        return (
+            f"HFKeyValueCache(layers={len(self.layers)}, batch={self.batch_size}, "
+            f"sequence_length={self.get_seq_length()}, frozen={self._frozen})"
+        )

@@ -1,0 +1,234 @@
+"""One layer of an [`HFKeyValueCache`][safelens.HFKeyValueCache]: `HFCacheLayer`.
+
+HuggingFace attention hands the cache head-major keys and values, `[batch, n_kv_heads,
+new_tokens, d_head]`, keys *after* the rotary embedding. A layer stores them in two
+safelens `Sequence`s (see `safelens._storage`) in position-major layout, `[batch, pos,
+n_kv_heads, d_head]`: a `Sequence` grows along axis 1, and the transpose between the two
+layouts is a free view, so appends stay amortised O(1) and branches share storage
+copy-on-write, exactly as in [`KeyValueCache`][safelens.KeyValueCache].
+
+The four hook points see HuggingFace's head-major layout, what `update` receives and
+returns: `hook_k_new`/`hook_v_new` the new post-rotary keys/values, whose results are
+stored (write-time); `hook_k_full`/`hook_v_full` a copy of all cached plus new
+keys/values handed to attention, never stored (read-time). With grouped-query attention
+the heads axis has `num_key_value_heads` entries.
+
+Caveat: a layer stores everything it is given and evicts nothing, also for sliding-window
+layers; the window is applied by the attention mask (`get_mask_sizes` reports the full
+length), so results equal the uncached forward at the cost of memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from transformers.cache_utils import CacheLayerMixin
+
+from ._errors import CacheShapeError
+from ._hook_point import CacheHookPoint
+from ._storage import Sequence
+
+__all__ = ["HFCacheLayer", "hf_hook_name", "HOOK_POINTS"]
+
+HOOK_POINTS = ("hook_k_new", "hook_v_new", "hook_k_full", "hook_v_full")
+
+
+def hf_hook_name(layer: int, point: str) -> str:
+    """The name of hook point `point` of layer `layer`: `model.layers.{layer}.kv_cache.{point}`."""
+    return f"model.layers.{layer}.kv_cache.{point}"
+
+
+class HFCacheLayer(CacheLayerMixin):
+    """Keys and values of one layer, stored position-major, seen head-major.
+
+    **Arguments:**
+
+    - `layer`: the layer index, used in hook names and error messages.
+    - `keys`, `values`: `Sequence`s of `[batch, pos, n_kv_heads, d_head]`, or `None` for
+      a layer that has seen nothing yet.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    hook_k_new: CacheHookPoint
+    hook_v_new: CacheHookPoint
+    hook_k_full: CacheHookPoint
+    hook_v_full: CacheHookPoint
+
+    # CacheLayerMixin.__init__ is not called: it sets `keys`/`values`, properties here.
+    def __init__(
+        self, layer: int, keys: Sequence | None = None, values: Sequence | None = None
+    ) -> None:
+        self.layer = layer
+        self._keys = keys
+        self._values = values
+        for point in HOOK_POINTS:
+            setattr(self, point, CacheHookPoint(hf_hook_name(layer, point)))
+
+    def __repr__(self) -> str:
+        return f"HFCacheLayer(layer={self.layer}, length={self.get_seq_length()})"
+
+    # -- what HuggingFace reads -------------------------------------------------------
+
+    @property
+    def is_initialized(self) -> bool:
+        return self._keys is not None
+
+    # Read-only: HuggingFace reads them, and changes go through the cache's methods.
+    @property
+    def keys(self) -> Float[torch.Tensor, "batch n_heads pos_so_far d_head"] | None:  # type: ignore[override]
+        """The cached keys, head-major (a view of the storage), or `None`."""
+        return None if self._keys is None else self._keys.view().transpose(1, 2)
+
+    @property
+    def values(self) -> Float[torch.Tensor, "batch n_heads pos_so_far d_head"] | None:  # type: ignore[override]
+        """The cached values, head-major (a view of the storage), or `None`."""
+        return None if self._values is None else self._values.view().transpose(1, 2)
+
+    @property
+    def batch(self) -> int | None:
+        """Rows of the stored tensors, `None` before the first update."""
+        return None if self._keys is None else int(self._keys.template.shape[0])
+
+    def get_seq_length(self) -> int:
+        return 0 if self._keys is None else self._keys.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """`(kv_length, kv_offset)`: every cached position plus the query's, from 0."""
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Start empty storage shaped like head-major `key_states`/`value_states`."""
+
+        def empty(like: torch.Tensor) -> Sequence:
+            batch, heads, _, d_head = like.shape
+            return Sequence.of(like.new_empty((batch, 0, heads, d_head)))
+
+        self._keys, self._values = empty(key_states), empty(value_states)
+
+    # -- the seam ---------------------------------------------------------------------
+
+    def update(
+        self,
+        key_states: Float[torch.Tensor, "batch n_heads new_tokens d_head"],
+        value_states: Float[torch.Tensor, "batch n_heads new_tokens d_head"],
+        *args: Any,
+        store: bool = True,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new keys/values (unless `store=False`); return cached + new, head-major.
+
+        Hook points fire in order `hook_k_new`, `hook_v_new` (their results are what is
+        stored), then `hook_k_full`, `hook_v_full` on copies of the returned tensors.
+        `args`/`kwargs` are what HuggingFace attention passes along; they are ignored.
+
+        **Raises:** [`CacheShapeError`][safelens.CacheShapeError] for keys or values that
+        do not fit; [`HookError`][safelens.HookError] for a hook returning a tensor of
+        another shape. What was stored may then have changed: the cache's `update`
+        restores the whole cache.
+        """
+        new_keys = self._fit("key_states", key_states, self._keys)
+        new_values = self._fit("value_states", value_states, self._values)
+        if (new_keys.shape[0], new_keys.shape[2]) != (new_values.shape[0], new_values.shape[2]):
+            raise CacheShapeError(
+                f"layer {self.layer}: key_states of shape {tuple(new_keys.shape)} and "
+                f"value_states of shape {tuple(new_values.shape)} need the same batch and "
+                "new_tokens sizes ([batch, n_kv_heads, new_tokens, d_head])"
+            )
+        if self.hook_k_new.fwd_hooks:
+            new_keys = self.hook_k_new(new_keys)
+        if self.hook_v_new.fwd_hooks:
+            new_values = self.hook_v_new(new_values)
+        if store and self._keys is None:
+            self.lazy_initialization(new_keys, new_values)
+        full_keys = _write(self._keys, new_keys, store)
+        full_values = _write(self._values, new_values, store)
+        # A read-time hook gets a tensor of its own, so nothing it does reaches storage.
+        if self.hook_k_full.fwd_hooks:
+            full_keys = self.hook_k_full(full_keys.clone())
+        if self.hook_v_full.fwd_hooks:
+            full_values = self.hook_v_full(full_values.clone())
+        return full_keys, full_values
+
+    def _fit(self, name: str, new: Any, held: Sequence | None) -> torch.Tensor:
+        """`new` as a head-major tensor like `held`'s, or a `CacheShapeError` saying why not."""
+        where = f"layer {self.layer}"
+        if not isinstance(new, torch.Tensor) or new.dim() != 4 or not new.is_floating_point():
+            got = (
+                f"{tuple(new.shape)} {new.dtype}"
+                if isinstance(new, torch.Tensor)
+                else type(new).__name__
+            )
+            raise CacheShapeError(
+                f"{where}: {name} must be a floating tensor [batch, n_kv_heads, new_tokens, "
+                f"d_head] (head-major, as HuggingFace attention passes it), got {got}"
+            )
+        if held is None:
+            return new
+        like = held.template
+        new = new.to(device=like.device, dtype=like.dtype)
+        batch, _, heads, d_head = like.shape
+        if (new.shape[0], new.shape[1], new.shape[3]) == (batch, heads, d_head):
+            return new
+        message = (
+            f"{where}: {name} of shape {tuple(new.shape)} do not fit the cache; expected "
+            f"head-major [batch={batch}, n_kv_heads={heads}, new_tokens=any, d_head={d_head}]"
+        )
+        if new.shape[2] == heads and new.shape[3] == d_head and new.shape[1] != heads:
+            message += (
+                ". This looks like position-major [batch, pos, n_kv_heads, d_head] layout; "
+                f"pass {name}.transpose(1, 2)"
+            )
+        elif new.shape[0] != batch and batch == 1:
+            message += f". To continue a batch-1 cache with {new.shape[0]} rows, use expand(n)"
+        raise CacheShapeError(message)
+
+    # -- branching --------------------------------------------------------------------
+
+    def derived(self, op: Callable[[Sequence], Sequence]) -> HFCacheLayer:
+        """A new layer whose storage is `op` of this one's, with empty hook points."""
+        if self._keys is None or self._values is None:
+            return HFCacheLayer(self.layer)
+        return HFCacheLayer(self.layer, op(self._keys), op(self._values))
+
+    def replace(self, op: Callable[[Sequence], Sequence]) -> None:
+        """In place: this layer's storage becomes `op` of it (hooks stay attached)."""
+        if self._keys is not None and self._values is not None:
+            self._keys, self._values = op(self._keys), op(self._values)
+
+    def reset(self) -> None:
+        """In place: drop the storage, as if the layer had seen nothing."""
+        self._keys = self._values = None
+
+    def snapshot(self) -> Callable[[], None]:
+        """A function that puts this layer's storage back as it is now."""
+        keys, values = self._keys, self._values
+        states = [(s, s.snapshot()) for s in (keys, values) if s is not None]
+
+        def restore() -> None:
+            self._keys, self._values = keys, values
+            for sequence, state in states:
+                sequence.restore(state)
+
+        return restore
+
+    def storages(self) -> list[int]:
+        """Data pointers of the storage this layer reads, for sharing checks."""
+        return [p for s in (self._keys, self._values) if s is not None for p in s.storages()]
+
+
+def _write(held: Sequence | None, new: torch.Tensor, store: bool) -> torch.Tensor:
+    """`held` followed by head-major `new`, head-major; stored in `held` when `store`."""
+    if held is None:
+        return new
+    new = new.transpose(1, 2)
+    full = held.append_(new) if store else held.joined(new)
+    return full.transpose(1, 2)

@@ -1,0 +1,460 @@
+"""`HFKeyValueCache` on HuggingFace causal LMs: HF's own numbers, freezing, branching, hooks.
+
+References are HuggingFace itself: the uncached forward, `DynamicCache`, and `generate`
+with its default cache, on tiny random-weight models built from config classes.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache
+from transformers.cache_utils import CacheLayerMixin
+
+from safelens import CacheConfigError, CacheShapeError, FrozenCacheError, HookError
+from safelens._hf_cache import HFKeyValueCache
+from safelens._hf_model import hf_cache_argument
+
+VOCAB = 50
+SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+SPECIAL = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=None, pad_token_id=None)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**SIZES, **SPECIAL, num_key_value_heads=2),
+    "gpt2": lambda: transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=4, n_positions=64, **SPECIAL
+    ),
+    "qwen2": lambda: transformers.Qwen2Config(**SIZES, **SPECIAL, num_key_value_heads=2),
+    "mistral": lambda: transformers.MistralConfig(
+        **SIZES, **SPECIAL, num_key_value_heads=2, sliding_window=4
+    ),
+    "gemma2": lambda: transformers.Gemma2Config(
+        **SIZES,
+        **SPECIAL,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=4,
+        attn_implementation="eager",
+        attn_logit_softcapping=20.0,
+        final_logit_softcapping=10.0,
+    ),
+    "phi3": lambda: transformers.Phi3Config(**SIZES, **SPECIAL, num_key_value_heads=2),
+}
+
+
+@functools.cache
+def model(name: str = "llama", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A tiny random-weight causal LM; cached, so tests must leave its hooks as found."""
+    torch.manual_seed(0)
+    built = transformers.AutoModelForCausalLM.from_config(CONFIGS[name]())
+    return built.to(dtype).eval()
+
+
+def ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (batch, length), generator=generator)
+
+
+def run(lm: torch.nn.Module, tokens: torch.Tensor, cache: object = None, **kw) -> torch.Tensor:
+    if cache is not None:
+        kw[hf_cache_argument(lm)] = cache
+    return lm(tokens, **kw).logits
+
+
+def state(cache: HFKeyValueCache) -> list[torch.Tensor]:
+    return [t.clone() for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+def assert_state(cache: HFKeyValueCache, before: list[torch.Tensor]) -> None:
+    after = state(cache)
+    assert len(after) == len(before)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+def prefilled(name: str, tokens: torch.Tensor) -> HFKeyValueCache:
+    cache = HFKeyValueCache()
+    run(model(name), tokens, cache)
+    return cache
+
+
+# -- HuggingFace's own numbers --------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_chunked_forward_matches_uncached_and_dynamic_cache(name):
+    """Chunks of 7, 1 and 4 tokens (past Mistral's and Gemma-2's window of 4)."""
+    lm, tokens = model(name), ids(1, 12)
+    full = run(lm, tokens)
+    ours, theirs = HFKeyValueCache(), DynamicCache(config=lm.config)
+    for start, stop in ((0, 7), (7, 8), (8, 12)):
+        chunk = tokens[:, start:stop]
+        logits = run(lm, chunk, ours)
+        torch.testing.assert_close(logits, full[:, start:stop], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits, run(lm, chunk, theirs), atol=1e-5, rtol=1e-5)
+    assert ours.get_seq_length() == 12 and ours.is_sliding == [False, False]
+
+
+def test_bfloat16_matches_dynamic_cache_bitwise():
+    lm, tokens = model("llama", torch.bfloat16), ids(1, 9)
+    ours, theirs = HFKeyValueCache(), DynamicCache(config=lm.config)
+    for chunk in (tokens[:, :5], tokens[:, 5:6], tokens[:, 6:]):
+        assert torch.equal(run(lm, chunk, ours), run(lm, chunk, theirs))
+    assert ours.layers[0].keys.dtype == torch.bfloat16
+    assert torch.equal(ours.layers[1].values, theirs.layers[1].values)
+
+
+def test_left_padded_batch_with_attention_mask():
+    lm = model("qwen2")
+    tokens = ids(2, 9)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0
+    full = run(lm, tokens, attention_mask=mask)
+    cache = HFKeyValueCache()
+    first = run(lm, tokens[:, :6], cache, attention_mask=mask[:, :6])
+    second = run(lm, tokens[:, 6:], cache, attention_mask=mask)
+    real = mask.bool()
+    torch.testing.assert_close(
+        torch.cat([first, second], 1)[real], full[real], atol=1e-5, rtol=1e-5
+    )
+
+
+@given(cuts=st.lists(st.integers(1, 10), min_size=1, max_size=3, unique=True))
+@settings(max_examples=5, deadline=None)
+def test_any_chunking_equals_the_uncached_forward(cuts):
+    lm, tokens = model("llama"), ids(1, 11, seed=3)
+    bounds = [0, *sorted(cuts), 11]
+    cache = HFKeyValueCache()
+    logits = [run(lm, tokens[:, a:b], cache) for a, b in zip(bounds, bounds[1:], strict=False)]
+    torch.testing.assert_close(torch.cat(logits, 1), run(lm, tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_gradients_flow_through_the_cache_as_without_it():
+    lm, tokens = model("llama"), ids(1, 8)
+    with torch.enable_grad():
+        embeds = lm.get_input_embeddings()(tokens).detach().requires_grad_()
+        cache = HFKeyValueCache()
+        first = lm(inputs_embeds=embeds[:, :5], cache=cache).logits
+        second = lm(inputs_embeds=embeds[:, 5:], cache=cache).logits
+        (ours,) = torch.autograd.grad(torch.cat([first, second], 1).square().sum(), embeds)
+        (reference,) = torch.autograd.grad(lm(inputs_embeds=embeds).logits.square().sum(), embeds)
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+
+
+GENERATE = {
+    "greedy": dict(do_sample=False),
+    "sampling": dict(do_sample=True, top_k=0, temperature=1.0),
+    "beam": dict(do_sample=False, num_beams=3),
+}
+
+
+@pytest.mark.parametrize("mode", list(GENERATE))
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_generate_gives_hf_tokens(name, mode):
+    lm, prompt = model(name), ids(1, 5)
+    kwargs = dict(max_new_tokens=6, **GENERATE[mode])
+    torch.manual_seed(7)
+    reference = lm.generate(prompt, **kwargs)
+    torch.manual_seed(7)
+    cache = HFKeyValueCache()
+    ours = lm.generate(prompt, **kwargs, **{hf_cache_argument(lm): cache})
+    assert torch.equal(ours, reference)
+    assert cache.get_seq_length() == ours.shape[1] - 1
+
+
+def test_assisted_generation_crops_in_place_and_matches():
+    lm, prompt = model("llama"), ids(1, 5)
+    reference = lm.generate(prompt, max_new_tokens=6, do_sample=False)
+    cache = HFKeyValueCache()
+    assisted = lm.generate(
+        prompt, max_new_tokens=6, do_sample=False, assistant_model=model("qwen2"), cache=cache
+    )
+    assert torch.equal(assisted, reference)
+    assert cache.get_seq_length() == reference.shape[1] - 1
+
+
+def test_generate_from_a_fork_of_a_frozen_prefix():
+    lm, prompt = model("llama"), ids(1, 8)
+    prefix = prefilled("llama", prompt[:, :6])
+    prefix.freeze()
+    before = state(prefix)
+    ours = lm.generate(prompt, max_new_tokens=4, do_sample=False, cache=prefix.fork())
+    assert torch.equal(ours, lm.generate(prompt, max_new_tokens=4, do_sample=False))
+    assert_state(prefix, before)
+
+
+# -- freezing and branching -----------------------------------------------------------
+
+
+def test_frozen_cache_returns_joined_keys_and_stores_nothing():
+    lm, tokens = model("mistral"), ids(1, 10)
+    prefix = prefilled("mistral", tokens[:, :6])
+    with prefix.frozen():
+        before = state(prefix)
+        logits = run(lm, tokens[:, 6:], prefix)
+        assert_state(prefix, before)
+    assert not prefix.frozen
+    torch.testing.assert_close(logits, run(lm, tokens)[:, 6:], atol=1e-5, rtol=1e-5)
+
+
+def test_frozen_cache_is_not_even_given_new_layers():
+    cache = HFKeyValueCache(frozen=True)
+    keys, _ = cache.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4), 1)
+    assert keys.shape == (1, 2, 3, 4) and cache.layers == [] and cache.get_seq_length() == 0
+
+
+def test_forks_share_the_prefix_and_continue_independently():
+    lm, tokens = model("llama"), ids(1, 10)
+    prefix = prefilled("llama", tokens[:, :6])
+    prefix.freeze()
+    before = state(prefix)
+    left, right = prefix.fork(), prefix.fork()
+    assert prefix.storages() <= left.storages() and not left.frozen
+    a = run(lm, tokens[:, 6:8], left)
+    b = run(lm, tokens[:, 6:10], right)
+    torch.testing.assert_close(a, run(lm, tokens[:, :8])[:, 6:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b, run(lm, tokens)[:, 6:], atol=1e-5, rtol=1e-5)
+    assert (left.get_seq_length(), right.get_seq_length()) == (8, 10)
+    assert_state(prefix, before)
+
+
+def test_expand_broadcasts_a_prefix_to_a_batch_of_continuations():
+    lm = model("phi3")
+    prefix_tokens, continuations = ids(1, 6), ids(3, 4, seed=2)
+    prefix = prefilled("phi3", prefix_tokens)
+    prefix.freeze()
+    batch = prefix.expand(3)
+    assert batch.batch_size == 3 and prefix.storages() <= batch.storages()
+    logits = run(lm, continuations, batch)
+    full = run(lm, torch.cat([prefix_tokens.expand(3, -1), continuations], 1))
+    torch.testing.assert_close(logits, full[:, 6:], atol=1e-5, rtol=1e-5)
+    with pytest.raises(
+        CacheShapeError, match="expand.n. needs a batch-1 cache; this cache has batch 3"
+    ):
+        batch.expand(2)
+
+
+def test_select_cropped_clone_return_new_caches():
+    lm, tokens = model("llama"), ids(2, 8)
+    cache = prefilled("llama", tokens[:, :6])
+    before = state(cache)
+    row = cache.select([1])
+    short = cache.cropped(-2)
+    copy = cache.clone()
+    assert_state(cache, before)
+    assert row.batch_size == 1 and short.get_seq_length() == 4 and copy.get_seq_length() == 6
+    assert not copy.storages() & cache.storages()
+    torch.testing.assert_close(
+        run(lm, tokens[1:, 6:], row), run(lm, tokens[1:])[:, 6:], atol=1e-5, rtol=1e-5
+    )
+    torch.testing.assert_close(
+        run(lm, tokens[:, 4:], short), run(lm, tokens)[:, 4:], atol=1e-5, rtol=1e-5
+    )
+    cache.freeze()
+    assert cache.clone().frozen and not cache.fork().frozen
+    with pytest.raises(ValueError, match=r"length must be in \[-6, 6\]"):
+        cache.cropped(7)
+    with pytest.raises(TypeError, match="rows must be"):
+        cache.select(0.5)
+
+
+def test_crop_is_in_place_with_hf_meaning():
+    cache = prefilled("llama", ids(1, 6))
+    branch = cache.fork()
+    cache.crop(0)
+    assert cache.get_seq_length() == 6
+    cache.crop(-2)
+    assert cache.get_seq_length() == 4
+    cache.crop(3)
+    assert cache.get_seq_length() == 3 and branch.get_seq_length() == 6
+    cache.freeze()
+    cache.crop(0)
+    cache.crop(5)
+    with pytest.raises(FrozenCacheError, match=r"crop\(-1\) changes the cache in place"):
+        cache.crop(-1)
+
+
+def test_in_place_batch_methods_match_dynamic_cache():
+    lm, tokens = model("llama"), ids(3, 5)
+    ours, theirs = HFKeyValueCache(), DynamicCache(config=lm.config)
+    run(lm, tokens, ours), run(lm, tokens, theirs)
+    for method, arg in (
+        ("reorder_cache", torch.tensor([2, 0, 0])),
+        ("batch_repeat_interleave", 2),
+        ("batch_select_indices", torch.tensor([5, 1, 2])),
+    ):
+        getattr(ours, method)(arg), getattr(theirs, method)(arg)
+        for mine, hf in zip(ours.layers, theirs.layers, strict=True):
+            assert torch.equal(mine.keys, hf.keys) and torch.equal(mine.values, hf.values)
+    ours.freeze()
+    with pytest.raises(FrozenCacheError, match="reorder_cache.beam_idx. changes the cache"):
+        ours.reorder_cache(torch.tensor([0, 1, 2]))
+
+
+def test_hf_interface():
+    lm = model("gemma2")
+    cache = HFKeyValueCache(config=lm.config)
+    assert len(cache.layers) == 2 and cache.batch_size == -1 and cache.get_seq_length() == 0
+    run(lm, ids(1, 5), cache)
+    assert all(isinstance(layer, CacheLayerMixin) for layer in cache.layers)
+    assert cache.get_mask_sizes(3, 1) == (8, 0) and cache.get_seq_length(1) == 5
+    assert cache.get_max_length() == -1 and cache.get_max_cache_shape() == -1
+    assert not cache.is_compileable and cache.is_sliding == [False, False]
+    assert cache.batch_size == 1 and cache.layers[0].keys.shape == (1, 2, 5, 8)
+    cache.reset()
+    assert cache.get_seq_length() == 0 and len(cache.layers) == 2
+    with pytest.raises(CacheConfigError, match="has no layer count"):
+        HFKeyValueCache(config=SimpleNamespace(hidden_size=32))
+
+
+# -- hook points ----------------------------------------------------------------------
+
+
+def test_hooks_see_head_major_post_rotary_keys():
+    lm, tokens = model("llama"), ids(1, 8)
+    reference = DynamicCache(config=lm.config)
+    run(lm, tokens[:, :5], reference)
+    cache = HFKeyValueCache(config=lm.config)
+    seen = {}
+
+    def save(tensor, hook):
+        seen[hook.name] = tensor.clone()
+
+    with cache.hooks([(lambda name: name.startswith("model.layers.1"), save)]):
+        run(lm, tokens[:, :5], cache)
+    assert torch.equal(seen["model.layers.1.kv_cache.hook_k_new"], reference.layers[1].keys)
+    assert torch.equal(seen["model.layers.1.kv_cache.hook_v_full"], reference.layers[1].values)
+    assert not any(point.fwd_hooks for point in cache.hook_points().values())
+    run(lm, tokens[:, 5:], reference)
+    with cache.hooks([("model.layers.0.kv_cache.hook_k_full", save)]):
+        run(lm, tokens[:, 5:], cache)
+    assert seen["model.layers.0.kv_cache.hook_k_full"].shape == (1, 2, 8, 8)
+    assert torch.equal(seen["model.layers.0.kv_cache.hook_k_full"], reference.layers[0].keys)
+
+
+def test_write_time_hook_is_stored_and_equals_editing_the_model():
+    lm, tokens = model("llama"), ids(1, 6)
+    cache = HFKeyValueCache()
+    with cache.hooks([("model.layers.0.kv_cache.hook_v_new", lambda v, hook: v * 0)]):
+        ours = run(lm, tokens, cache)
+    handle = lm.model.layers[0].self_attn.v_proj.register_forward_hook(lambda m, i, o: o * 0)
+    try:
+        reference = run(lm, tokens)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+    assert not cache.layers[0].values.any() and cache.layers[1].values.any()
+
+
+def test_read_time_hook_changes_this_pass_only():
+    lm, tokens = model("llama"), ids(1, 8)
+    cache = prefilled("llama", tokens[:, :6])
+    fork = cache.fork()
+    before = state(cache)
+
+    def zero_in_place(values, hook):
+        values.zero_()
+
+    with cache.hooks([("model.layers.0.kv_cache.hook_v_full", zero_in_place)]):
+        edited = run(lm, tokens[:, 6:], cache)
+    plain = run(lm, tokens[:, 6:], fork)
+    assert not torch.allclose(edited, plain)
+    assert_state(cache.cropped(6), before)
+    assert torch.equal(cache.layers[0].values[:, :, 6:], fork.layers[0].values[:, :, 6:])
+
+
+def test_hook_that_raises_leaves_the_cache_as_before_the_pass():
+    lm, tokens = model("llama"), ids(1, 9)
+    cache = prefilled("llama", tokens[:, :6])
+    before = state(cache)
+
+    def fail(tensor, hook):
+        raise RuntimeError("hook failed")
+
+    with pytest.raises(RuntimeError, match="hook failed"):
+        with cache.hooks([("model.layers.1.kv_cache.hook_k_full", fail)]):
+            run(lm, tokens[:, 6:], cache)
+    assert_state(cache, before)
+    with pytest.raises(HookError, match="returned shape"):
+        with cache.hooks([("model.layers.1.kv_cache.hook_k_new", lambda k, hook: k[:, :1])]):
+            run(lm, tokens[:, 6:], cache)
+    assert_state(cache, before)
+    torch.testing.assert_close(
+        run(lm, tokens[:, 6:], cache), run(lm, tokens)[:, 6:], atol=1e-5, rtol=1e-5
+    )
+
+
+def test_guard_restores_after_a_failure_outside_the_cache():
+    lm, tokens = model("llama"), ids(1, 9)
+    cache = prefilled("llama", tokens[:, :6])
+    before = state(cache)
+
+    def fail(module, args, output):
+        raise KeyboardInterrupt
+
+    handle = lm.model.norm.register_forward_hook(fail)
+    try:
+        with pytest.raises(KeyboardInterrupt), cache.guard():
+            run(lm, tokens[:, 6:], cache)
+    finally:
+        handle.remove()
+    assert_state(cache, before)
+
+
+def test_hook_names_are_checked_before_anything_is_attached():
+    cache = HFKeyValueCache()
+    point = cache.hook_point("model.layers.0.kv_cache.hook_k_new")
+    assert point.name == "model.layers.0.kv_cache.hook_k_new" and len(cache.layers) == 1
+    good = ("model.layers.0.kv_cache.hook_v_new", print)
+    with pytest.raises(HookError, match="did you mean 'model.layers.0.kv_cache.hook_k_new'"):
+        with cache.hooks([good, ("model.layers.0.kv_cache.hook_k_nwe", print)]):
+            pass
+    with pytest.raises(HookError, match="list of .names, fn. pairs"):
+        with cache.hooks([good, ("model.layers.3.kv_cache.hook_k_new", 3)]):
+            pass
+    with pytest.raises(HookError, match="has none yet; build it with HFKeyValueCache"):
+        with HFKeyValueCache().hooks([(lambda name: True, print)]):
+            pass
+    assert not any(point.fwd_hooks for point in cache.hook_points().values())
+    assert len(cache.layers) == 1
+
+
+# -- bad input ------------------------------------------------------------------------
+
+
+def test_keys_that_do_not_fit_are_refused_and_change_nothing():
+    cache = HFKeyValueCache()
+    cache.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), 0)
+    cache.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), 1)
+    before = state(cache)
+    with pytest.raises(CacheShapeError, match=r"looks like position-major .*transpose\(1, 2\)"):
+        cache.update(torch.zeros(1, 5, 2, 4), torch.zeros(1, 5, 2, 4), 0)
+    with pytest.raises(CacheShapeError, match=r"batch=1, n_kv_heads=2.*use expand\(n\)"):
+        cache.update(torch.zeros(3, 2, 1, 4), torch.zeros(3, 2, 1, 4), 0)
+    with pytest.raises(CacheShapeError, match="same batch and new_tokens"):
+        cache.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 2, 4), 0)
+    with pytest.raises(CacheShapeError, match="must be a floating tensor"):
+        cache.update([[1]], torch.zeros(1, 2, 1, 4), 0)
+    cache.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), 0)
+    with pytest.raises(CacheShapeError, match="layer 1: key_states of shape"):
+        cache.update(torch.zeros(1, 2, 1, 5), torch.zeros(1, 2, 1, 4), 1)
+    assert_state(cache, before)
+
+
+def test_cache_argument_name():
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None):
+            return input_ids
+
+    class Neither(torch.nn.Module):
+        def forward(self, input_ids):
+            return input_ids
+
+    assert hf_cache_argument(model("gpt2")) == "cache"
+    assert hf_cache_argument(Old()) == "past_key_values"
+    with pytest.raises(CacheConfigError, match="takes neither cache= nor past_key_values="):
+        hf_cache_argument(Neither())
