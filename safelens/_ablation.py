@@ -40,6 +40,7 @@ import torch
 from jaxtyping import Int
 
 from ._cache import KeyValueCache
+from ._config import refuse_ungrouped
 from ._errors import CacheConfigError, CacheShapeError
 from ._prefix import Prefix
 from ._tokens import check_tokens
@@ -419,6 +420,7 @@ def _check_model(model: Any, prefix: Prefix, edits: list[_Edit]) -> None:
             f"ablate_write needs the HookedTransformer the prefix was run through, got "
             f"{type(model).__name__}"
         )
+    refuse_ungrouped(cfg, "ablate_write")
     try:
         prefix.cache.check_fits(cfg)
     except CacheConfigError as error:

@@ -16,7 +16,7 @@ import torch
 
 from ._errors import CacheConfigError
 
-__all__ = ["CacheDimensions", "parse_dtype"]
+__all__ = ["CacheDimensions", "parse_dtype", "refuse_ungrouped"]
 
 _LAYERS = ("n_layers", "n_layer", "num_hidden_layers")
 _HEADS = ("n_heads", "n_head", "num_attention_heads")
@@ -174,4 +174,28 @@ class CacheDimensions:
         """An empty `[batch_size, 0, n_kv_heads, d_head]` tensor in the model's dtype."""
         return torch.empty(
             (batch_size, 0, self.n_kv_heads, self.d_head), dtype=self.dtype, device=device
+        )
+
+
+def refuse_ungrouped(cfg: Any, what: str) -> None:
+    """Refuse a cached forward pass TransformerLens itself cannot run on this config.
+
+    With `ungroup_grouped_query_attention=True`, TransformerLens' attention appends one
+    key/value head per query head, but `HookedTransformer.forward` asserts (in
+    `get_pos_offset`) that a cache holds `n_key_value_heads` heads, so no cache,
+    TransformerLens' own included, can be passed to its forward with tokens.
+
+    **Raises:** [`CacheConfigError`][safelens.CacheConfigError] saying so and how to
+    get the same logits.
+    """
+    if getattr(cfg, "ungroup_grouped_query_attention", False) and getattr(
+        cfg, "n_key_value_heads", None
+    ):
+        raise CacheConfigError(
+            f"{what}: this model has ungroup_grouped_query_attention=True, and "
+            "TransformerLens' forward then refuses every key/value cache (it asserts the "
+            "cache holds n_key_value_heads heads while its attention appends n_heads). "
+            "Build the model with ungroup_grouped_query_attention=False: the logits are "
+            "the same, and the cache holds the n_key_value_heads heads. The patching "
+            "sweeps do run on this model"
         )

@@ -31,7 +31,7 @@ import torch
 from jaxtyping import Float, Int
 
 from ._cache import KeyValueCache
-from ._config import CacheDimensions
+from ._config import CacheDimensions, refuse_ungrouped
 from ._errors import CacheConfigError, CacheShapeError, FrozenCacheError, TokenError
 from ._shared_attention import shared_prefix_attention
 from ._tokens import check_tokens
@@ -310,7 +310,7 @@ def prefill(
 
     ```
     """
-    _model_config(model, "prefill")
+    refuse_ungrouped(_model_config(model, "prefill"), "prefill")
     tokens = _prefix_tokens(model, tokens_or_text)
     tokens = tokens.to(model.cfg.device)
     mask = _prefix_mask(model, tokens, attention_mask)

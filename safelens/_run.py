@@ -18,8 +18,8 @@ import torch
 from transformer_lens import HookedTransformer
 
 from ._cache import KeyValueCache
-from ._config import CacheDimensions
-from ._errors import CacheShapeError, HookError
+from ._config import CacheDimensions, refuse_ungrouped
+from ._errors import CacheShapeError, HookError, TokenError
 from ._hooks import FwdHooks, hooks
 from ._rollback import snapshot
 from ._tokens import check_tokens
@@ -99,8 +99,17 @@ def forward(
 ) -> Any:
     if not isinstance(cache, KeyValueCache):
         raise HookError(f"cache must be a safelens KeyValueCache, got {type(cache).__name__}")
+    refuse_ungrouped(model.cfg, "run_with_hooks")
     _check_layers(model, cache, forward_args)
-    if isinstance(input, torch.Tensor) and forward_args.get("start_at_layer") is None:
+    text = isinstance(input, str) or (
+        isinstance(input, list) and bool(input) and all(isinstance(i, str) for i in input)
+    )
+    if text and model.tokenizer is None:
+        raise TokenError(
+            "input is text but the model has no tokenizer; pass token ids [batch, pos] "
+            "(a tensor of ints) instead"
+        )
+    if not text and forward_args.get("start_at_layer") is None:
         input = _checked_input(model, cache, input, forward_args.get("attention_mask"))
     if forward_args.get("tokens") is not None:
         check_tokens(forward_args["tokens"], model.cfg, "tokens", rank=None)

@@ -29,6 +29,7 @@ from safelens import (
     ablate_write,
     prefill,
     run_with_cache_capture,
+    run_with_hooks,
     score_continuations,
 )
 
@@ -227,13 +228,8 @@ SPECIAL = {
 }
 
 
-# TransformerLens 3.9's HookedTransformer.get_pos_offset asserts that a cache holds
-# n_key_value_heads heads, while ungrouped attention appends (and needs) n_heads: no cache,
-# TransformerLens' own or safelens', runs an ungrouped model until that check is bypassed.
-UNGROUPED_BROKEN = pytest.mark.xfail(
-    raises=AssertionError, strict=True, reason="TransformerLens' get_pos_offset head check"
-)
-NAMES = [pytest.param(n, marks=UNGROUPED_BROKEN) if n == "ungrouped" else n for n in SPECIAL]
+# The models whose cache TransformerLens' forward accepts; "ungrouped" is refused (below).
+NAMES = [name for name in SPECIAL if name != "ungrouped"]
 
 
 @functools.cache
@@ -297,13 +293,20 @@ def test_prefill_and_read_time_on_these_models(name: str) -> None:
     torch.testing.assert_close(read, reference, atol=1e-5, rtol=1e-5)
 
 
-@UNGROUPED_BROKEN
-def test_ungrouped_heads_index_every_query_head() -> None:
+def test_ungrouped_models_are_refused_with_the_reason_and_the_fix() -> None:
+    # TransformerLens 3.9's forward asserts a cache holds n_key_value_heads heads, while
+    # ungrouped attention appends n_heads: no cache, its own included, runs there.
     model = special_model("ungrouped")
-    prefix = prefill(model, prompt_and_continuations()[0])
-    assert prefix.cache[0].keys.shape == (1, PREFIX, 4, 8)
-    with pytest.raises(IndexError, match=r"heads \[4\] out of range for 4 KV heads"):
-        ablate_read(prefix, Ablation("zero", layers=0, heads=4))
+    prompt = prompt_and_continuations()[0][None]
+    match = r"ungroup_grouped_query_attention=True.*Build the model with ungroup_grouped_query_attention=False"
+    with pytest.raises(CacheConfigError, match="prefill: this model has " + match):
+        prefill(model, prompt)
+    with pytest.raises(CacheConfigError, match="run_with_hooks: this model has " + match):
+        run_with_hooks(model, prompt, cache=KeyValueCache())
+    other = prefill(special_model("clip_qkv"), prompt)
+    with pytest.raises(CacheConfigError, match="ablate_write: this model has " + match):
+        ablate_write(model, other, Ablation("zero", layers=0))
+    assert not any(point.fwd_hooks for point in model.hook_dict.values())
 
 
 @pytest.mark.parametrize("name", ["qk_norm", "olmo2", "clip_qkv"])
