@@ -9,13 +9,25 @@ patched layer from the corrupted run's residual stream, and the runs patched at 
 later layer join the batch there (a staggered forward). The logits of positions `< p`
 are the corrupted run's, copied in before the metric sees them.
 
+Positions are reused only where the plan allows it (a causal model; see
+`safelens._patch_plan`): otherwise every run starts at position 0, still batched and
+still entering at its own layer. The corrupted run, and every patched run, use the
+attention mask TransformerLens' own forward would build for the tokens (the
+tokenizer's leading padding masked when it pads on the left).
+
+Threads: the sweep's hooks act only on the forward passes of the thread that runs the
+sweep, and are removed by their own handles, so sweeps in several threads on one model,
+and other threads' plain forwards, do not see each other's patches.
+
 Caveat: the batch at the last layer holds every run of the chunk, so the memory
 budget bounds the runs per chunk, not per layer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,17 +36,14 @@ from jaxtyping import Float, Int
 from tqdm import tqdm
 from transformer_lens import HookedTransformer
 from transformer_lens.hook_points import HookPoint
+from transformer_lens.utilities import get_attention_mask
 
 from ._cache import KeyValueCache
 from ._errors import PatchingError
 from ._patch_plan import Plan
 from ._shared_attention import shared_prefix_attention
 
-__all__ = ["CorruptedRun", "Patcher", "sweep"]
-
-# The context level of the sweep's own temporary hooks, so removing them leaves the
-# user's hooks on the same hook point in place.
-_SWEEP_LEVEL = -1
+__all__ = ["CorruptedRun", "Patcher", "sweep", "thread_hooks"]
 
 # Patch an activation in place for `runs`, whose `batch` rows each start at `rows`.
 # `patcher(tensor, runs, rows, batch, start)`: `tensor` holds positions `start:`.
@@ -46,14 +55,65 @@ _SPAN = 4
 Metric = Callable[[Float[torch.Tensor, "rows pos d_vocab"]], torch.Tensor]
 
 
+Hook = Callable[[torch.Tensor, HookPoint], torch.Tensor | None]
+
+
+@contextmanager
+def thread_hooks(points: list[tuple[HookPoint, Hook]]) -> Iterator[None]:
+    """Within the block, `fn(tensor, hook)` runs at each point, in this thread's passes only.
+
+    The hooks are registered with PyTorch directly and removed by their own handles,
+    even on error: the user's hooks on the same points (and TransformerLens' hook
+    bookkeeping) stay as they were, and other threads' forward passes never see them.
+    """
+    thread = threading.get_ident()
+    handles = []
+    try:
+        for point, fn in points:
+            handles.append(point.register_forward_hook(_ThreadHook(thread, point, fn)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class _ThreadHook:
+    """A forward hook that applies `fn` to its point's output in one thread's passes."""
+
+    def __init__(self, thread: int, point: HookPoint, fn: Hook) -> None:
+        self.thread = thread  # read by `hooked_here`
+        self.point = point
+        self.fn = fn
+
+    def __call__(self, module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
+        if threading.get_ident() != self.thread:
+            return None
+        return self.fn(output, self.point)
+
+
+def _attention_mask_of(
+    model: HookedTransformer, tokens: Int[torch.Tensor, "batch pos"]
+) -> Int[torch.Tensor, "batch pos"] | None:
+    """The mask TransformerLens' forward builds for `tokens`; `None` when it masks nothing."""
+    tokenizer = model.tokenizer
+    if tokenizer is None or tokenizer.padding_side != "left":
+        return None
+    mask = get_attention_mask(tokenizer, tokens, model.cfg.default_prepend_bos).to(tokens.device)
+    return None if bool(mask.all()) else mask
+
+
 @dataclass
 class CorruptedRun:
-    """What the corrupted run leaves for every patched run to reuse."""
+    """What the corrupted run leaves for every patched run to reuse.
+
+    `attention_mask` is `None` when every position is attended.
+    """
 
     cache: KeyValueCache
     residuals: list[Float[torch.Tensor, "batch pos d_model"]]
     logits: Float[torch.Tensor, "batch pos d_vocab"]
     activations: dict[str, torch.Tensor]
+    attention_mask: Int[torch.Tensor, "batch pos"] | None
 
     @classmethod
     def of(
@@ -72,11 +132,19 @@ class CorruptedRun:
         names = [f"blocks.{layer}.hook_resid_pre" for layer in range(n_layers)]
         names += [name for name in activation_names if name not in names]
         cache = KeyValueCache.init_cache(model.cfg, tokens.device, tokens.shape[0])
-        with model.hooks(fwd_hooks=[(name, capture) for name in names]):
-            logits = model(tokens, past_kv_cache=cache, attention_mask=torch.ones_like(tokens))
+        mask = _attention_mask_of(model, tokens)
+        full_mask = torch.ones_like(tokens) if mask is None else mask
+        with thread_hooks([(model.hook_dict[name], capture) for name in names]):
+            # Embedding apart from the blocks: given a cache, TransformerLens' embedding
+            # asserts it holds n_key_value_heads heads, which is wrong for a model with
+            # ungroup_grouped_query_attention=True (it caches n_heads).
+            embedded = model(tokens, attention_mask=full_mask, stop_at_layer=0)
+            logits = model(
+                embedded, start_at_layer=0, past_kv_cache=cache, attention_mask=full_mask
+            )
         cache.freeze()
         residuals = [captured[f"blocks.{layer}.hook_resid_pre"] for layer in range(n_layers)]
-        return cls(cache, residuals, logits, captured)
+        return cls(cache, residuals, logits, captured, mask)
 
 
 @dataclass(frozen=True)
@@ -97,7 +165,11 @@ def _rows_per_run_limit(model: HookedTransformer, length: int, max_bytes: int) -
 
 
 class _Metric:
-    """A batched metric, or a per-run (TransformerLens-style scalar) one detected at first use."""
+    """A batched metric, or a per-run (TransformerLens-style scalar) one.
+
+    Which it is shows at the first call with several runs: a scalar for all of them
+    means per-run. Whatever it returns is checked against what was expected.
+    """
 
     def __init__(self, fn: Metric, batch: int) -> None:
         self.fn = fn
@@ -105,23 +177,48 @@ class _Metric:
         self.per_run: bool | None = None
 
     def __call__(self, logits: torch.Tensor, runs: int) -> torch.Tensor:
-        if not self.per_run:
-            values = torch.as_tensor(self.fn(logits))
-            if self.per_run is None:
-                if values.dim() == 0 and runs > 1:
-                    self.per_run = True
-                    return self(logits, runs)
-                self.per_run = False
-            if values.numel() != runs:
-                raise PatchingError(
-                    f"patching_metric returned shape {tuple(values.shape)} for logits "
-                    f"{tuple(logits.shape)} of {runs} patched runs; expected [{runs}] (a "
-                    "batched metric, one value per run) or a scalar per run "
-                    "(TransformerLens-style)"
-                )
-            return values.reshape(runs)
-        rows = logits.split(self.batch)
-        return torch.stack([torch.as_tensor(self.fn(row)).reshape(()) for row in rows])
+        if self.per_run:
+            return torch.stack(
+                [self._values(row, 1).reshape(()) for row in logits.split(self.batch)]
+            )
+        values = self._values(logits, runs, scalar_ok=self.per_run is None)
+        if runs > 1:
+            self.per_run = values.dim() == 0
+            if self.per_run:
+                return self(logits, runs)
+        return values.reshape(runs)
+
+    def _values(self, logits: torch.Tensor, runs: int, scalar_ok: bool = False) -> torch.Tensor:
+        """What the metric returns for `logits` of `runs` runs, as a checked tensor."""
+        value = self.fn(logits)
+        values = None
+        if isinstance(value, torch.Tensor | int | float) or hasattr(value, "__array__"):
+            try:
+                values = torch.as_tensor(value)
+            except (TypeError, ValueError, RuntimeError):
+                values = None
+        if (
+            values is None
+            or values.is_complex()
+            or not (values.numel() == runs or (scalar_ok and values.dim() == 0))
+        ):
+            got = f"shape {tuple(values.shape)}" if values is not None else _describe(value)
+            if values is not None and values.is_complex():
+                got += f" of {values.dtype}"
+            raise PatchingError(
+                f"patching_metric returned {got} for logits {tuple(logits.shape)} of {runs} "
+                f"patched run{'s' if runs > 1 else ''}; expected a real tensor [{runs}] (a "
+                "batched metric, one value per run) or a scalar per run (TransformerLens-"
+                "style: the logits [batch, pos, d_vocab] of one run to a scalar)"
+            )
+        return values
+
+
+def _describe(value: object) -> str:
+    if value is None:
+        return "None"
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"
 
 
 def sweep(
@@ -152,7 +249,8 @@ def sweep(
     flat = out.view(-1)
     by_pos: dict[int, list[Run]] = {}
     for run in runs:
-        by_pos.setdefault(run.pos - run.pos % _SPAN, []).append(run)
+        start = run.pos - run.pos % _SPAN if plan.reuses_positions else 0
+        by_pos.setdefault(start, []).append(run)
     with (
         torch.no_grad(),
         shared_prefix_attention(model),
@@ -183,9 +281,8 @@ def _forward_chunk(
     by layer). With `plan.last_only` the logits are the last position's alone,
     `[rows, 1, d_vocab]`.
     """
-    batch = corrupted.logits.shape[0]
     last = model.cfg.n_layers - 1
-    layers = _Layers(model, corrupted.cache.crop(pos), batch, plan, pos)
+    layers = _Layers(model, corrupted, plan, pos)
     end = max(run.pos for run in chunk) + 1
     residual: torch.Tensor | None = None
     single_last: torch.Tensor | None = None
@@ -232,11 +329,12 @@ class _Layers:
     """Runs one layer at a time on the chunk's cropped, frozen corrupted cache."""
 
     def __init__(
-        self, model: HookedTransformer, prefix: KeyValueCache, batch: int, plan: Plan, start: int
+        self, model: HookedTransformer, corrupted: CorruptedRun, plan: Plan, start: int
     ) -> None:
         self.model = model
-        self.prefix = prefix
-        self.batch = batch
+        self.prefix = corrupted.cache.crop(start)
+        self.mask = corrupted.attention_mask
+        self.batch = corrupted.logits.shape[0]
         self.plan = plan
         self.start = start
 
@@ -245,7 +343,7 @@ class _Layers:
     ) -> torch.Tensor:
         """`residual` through `layer`, patching `runs` (their rows from `first`), if any."""
         model, batch = self.model, self.batch
-        points: list[tuple[HookPoint, Any]] = []
+        points: list[tuple[HookPoint, Hook]] = []
         if runs:
             rows = list(range(first, first + len(runs) * batch, batch))
 
@@ -253,21 +351,21 @@ class _Layers:
                 patch.patcher(tensor, runs, rows, batch, self.start)
                 return tensor
 
-            # Attach to the one hook point directly: model.hooks() would sweep every
-            # hook point of the model on exit, once per layer of every chunk.
             points.append((model.hook_dict[patch.hook_name(layer)], hook))
         if layer == model.cfg.n_layers - 1:
             points += [(model.hook_dict[name], fn) for name, fn in self.plan.last_layer_trims]
-        for point, fn in points:
-            point.add_hook(fn, level=_SWEEP_LEVEL)
-        cache = _rows_of(self.prefix, residual.shape[0] // batch, batch)
-        try:
+        copies = residual.shape[0] // batch
+        mask = None
+        if self.mask is not None:
+            mask = self.mask[:, : self.start + residual.shape[1]].repeat(copies, 1)
+        with thread_hooks(points):
             return model(
-                residual, start_at_layer=layer, stop_at_layer=layer + 1, past_kv_cache=cache
+                residual,
+                start_at_layer=layer,
+                stop_at_layer=layer + 1,
+                past_kv_cache=_rows_of(self.prefix, copies, batch),
+                attention_mask=mask,
             )
-        finally:
-            for point, _ in points:
-                point.remove_hooks(level=_SWEEP_LEVEL)
 
 
 def _logits(

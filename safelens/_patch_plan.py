@@ -2,6 +2,12 @@
 
 A patched run needs only what its metric reads and what its patch can change:
 
+- *Positions before the patch.* In a causal model a patch at position `p` changes
+  nothing before `p`, so a run may reuse the corrupted run's first `p` positions. Not
+  when any layer attends both ways (`cfg.attention_dir`, or a layer's own override):
+  there every run computes every position. Nor for patches of `hook_rot_k`,
+  `hook_attn_scores` or `hook_pattern`, whose tensors span every key position: those
+  runs start at position 0.
 - *Last position only.* A metric that says it reads only the last position's logits
   (`metric.last_position_only`, as [`logit_diff_metric`][safelens.logit_diff_metric]'s
   does) gets `[rows, 1, d_vocab]`: only that position is unembedded. At the last layer,
@@ -11,7 +17,9 @@ A patched run needs only what its metric reads and what its patch can change:
 - *Single position.* A by-position patch of an activation computed after the keys and
   values (q, z, the attention or MLP output) changes, at its own layer, nothing but the
   patched position. That layer then runs the patched position alone; the later
-  positions enter the next layer with the corrupted run's residual stream.
+  positions enter the next layer with the corrupted run's residual stream. Not with
+  dynamic NTK rotary (`cfg.use_dynamic_ntk_rope`), whose rotation depends on how many
+  positions a pass holds.
 
 Caveat: the last-query shortcut needs safelens' attention path (see
 [`shared_prefix_attention`][safelens.shared_prefix_attention]); a last layer it does
@@ -26,9 +34,9 @@ from dataclasses import dataclass
 import torch
 from transformer_lens import HookedTransformer
 
-from ._shared_attention import supports
+from ._shared_attention import hooked_here, supports
 
-__all__ = ["Plan", "reads_last_position"]
+__all__ = ["Plan", "causal", "reads_last_position"]
 
 # Hook points of a block by where they fire, as names under `blocks.{layer}.`.
 _INPUTS = frozenset(
@@ -68,7 +76,18 @@ _BEFORE_RESID_MID = _BEFORE_QUERIES | {
     "hook_attn_out",
 }
 
+# Tensors that hold every key position (the cached ones too), not the new positions.
+_EVERY_KEY_POSITION = frozenset({"attn.hook_rot_k", "attn.hook_attn_scores", "attn.hook_pattern"})
+
 Hook = Callable[[torch.Tensor, object], torch.Tensor]
+
+
+def causal(model: HookedTransformer) -> bool:
+    """Whether every attention layer of `model` attends only to earlier positions."""
+    return all(
+        (block.attn._attention_dir_override or model.cfg.attention_dir) == "causal"
+        for block in model.blocks
+    )
 
 
 def reads_last_position(metric: object) -> bool:
@@ -85,6 +104,7 @@ class Plan:
     """The shortcuts one sweep takes (see the module notes)."""
 
     last_only: bool
+    reuses_positions: bool
     single_position: bool
     last_layer_trims: tuple[tuple[str, Hook], ...]
 
@@ -98,9 +118,16 @@ class Plan:
             prefix = f"blocks.{cfg.n_layers - 1}."
             attn = model.blocks[-1].attn
             rot_k = getattr(attn, "hook_rot_k", None)
-            unhooked = rot_k is None or not rot_k._forward_hooks
+            unhooked = rot_k is None or not hooked_here(rot_k)
             if site in _BEFORE_QUERIES and supports(attn) and unhooked:
                 trims.append((prefix + "attn.hook_q", _last_position))
             if site in _BEFORE_RESID_MID and not (cfg.attn_only or cfg.parallel_attn_mlp):
                 trims.append((prefix + "hook_resid_mid", _last_position))
-        return cls(last_only, single_position and site in _AFTER_KEYS, tuple(trims))
+        reuses = causal(model) and site not in _EVERY_KEY_POSITION
+        single = (
+            single_position
+            and reuses
+            and site in _AFTER_KEYS
+            and not model.cfg.use_dynamic_ntk_rope
+        )
+        return cls(last_only, reuses, single, tuple(trims))

@@ -2,27 +2,38 @@
 
 Each function here takes the arguments of its namesake in `transformer_lens.patching`
 (`model, corrupted_tokens, clean_cache, patching_metric`) and returns a tensor of the
-same shape with the same numbers (up to float rounding), on the model's device. Instead
+same shape with the same numbers (up to float rounding), on the model's device (with
+one exception, ungrouped grouped-query keys and values, below). Instead
 of one full forward pass per patch, patched runs are stacked along the batch and run
-from the corrupted run's frozen key/value cache: a patch at layer `l`, position `p`
-only runs positions `p:` and layers `l:` (see `safelens._patch_grid`).
+from the corrupted run's frozen key/value cache: a patch at layer `l`, position `p` of a
+causal model only runs positions `p:` and layers `l:` (see `safelens._patch_grid`).
 
 `patching_metric` is best *batched*: a function of logits `[runs * batch, pos, d_vocab]`
 (rows `r * batch … (r + 1) * batch - 1` are patched run `r`) returning `[runs]`, as
 [`logit_diff_metric`][safelens.logit_diff_metric] does. A TransformerLens-style metric,
-logits of one run to a scalar, works too (it is detected at first call, when it returns
-a scalar for many runs) but is then called once per run.
+logits of one run to a scalar, works too (it is detected at the first call on several
+runs, when it returns a scalar for all of them) but is then called once per run.
 
-Grouped-query models: key and value patches index key/value heads, `[…, n_kv_heads]`,
-as TransformerLens does (its `hook_k`/`hook_v` hold the KV heads).
+Grouped-query models: key and value patches index the heads that `hook_k`/`hook_v`
+hold: the key/value heads, `[…, n_kv_heads]`, as TransformerLens does; with
+`ungroup_grouped_query_attention=True`, one per query head, `[…, n_heads]` (where
+TransformerLens' own sweeps cover only the first `n_kv_heads` of them).
+
+Models: causal models reuse the corrupted run's positions before each patch;
+bidirectional ones run every position of every patched run (exact, slower). Prompts
+are masked as TransformerLens masks them (a tokenizer's left padding). Several threads
+may sweep one model at once (see `safelens._patch_grid`). Shortformer positional
+embeddings are refused.
 
 Caveat: positions before a patch are taken from the corrupted run, so a custom
 `patch_setter` in [`generic_activation_patch`][safelens.generic_activation_patch] must
-not change positions before its index's `pos` (TransformerLens' setters never do).
+not change positions before its index's `pos` (TransformerLens' setters never do); one
+that does is refused with a `PatchingError`.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -34,6 +45,7 @@ from transformer_lens.utilities import get_act_name
 
 from ._errors import PatchingError
 from ._patch_grid import CorruptedRun, Patcher, Run, sweep
+from ._tokens import check_tokens
 
 __all__ = [
     "generic_activation_patch",
@@ -74,24 +86,49 @@ class _Sweep:
                 "use transformer_lens.patching for this model"
             )
         tokens = corrupted_tokens
-        if not isinstance(tokens, torch.Tensor) or tokens.is_floating_point():
-            raise PatchingError(
-                f"corrupted_tokens must be an integer tensor [batch, pos], got "
-                f"{getattr(tokens, 'dtype', type(tokens).__name__)}"
-            )
-        if tokens.dim() == 1:
+        if isinstance(tokens, torch.Tensor) and tokens.dim() == 1:
             tokens = tokens[None]
-        if tokens.dim() != 2:
-            raise PatchingError(
-                f"corrupted_tokens must be [batch, pos], got shape {tuple(tokens.shape)}"
-            )
+        tokens = check_tokens(tokens, model.cfg, "corrupted_tokens")
         self.model = model
         self.tokens = tokens.to(model.cfg.device)
         self.batch, self.length = self.tokens.shape
         self.activation_name = activation_name
         names = [self.hook_name(layer) for layer in range(model.cfg.n_layers)]
+        self._check_hooks(names, lambda name: name in model.hook_dict)
         self.corrupted = CorruptedRun.of(model, self.tokens, names)
+        self._check_hooks(names, lambda name: name in self.corrupted.activations)
         self.clean = [self._clean(clean_cache, layer) for layer in range(model.cfg.n_layers)]
+
+    def _check_hooks(self, names: list[str], present: Callable[[str], bool]) -> None:
+        """A `PatchingError` unless `present(name)` holds for every hook in `names`."""
+        missing = [name for name in names if not present(name)]
+        if not missing:
+            return
+        cfg, name = self.model.cfg, missing[0]
+        where = f"model has no activation {name!r} (activation_name={self.activation_name!r})"
+        if cfg.attn_only and ("mlp" in name or "ln2" in name or "resid_mid" in name):
+            raise PatchingError(
+                f"{where}: the model is attention-only (cfg.attn_only=True) and has no MLP "
+                "layers, so there is nothing to patch there; patch attn_out, z or resid_pre "
+                "instead"
+            )
+        if cfg.parallel_attn_mlp and "resid_mid" in name:
+            raise PatchingError(
+                f"{where}: the model runs attention and MLP in parallel "
+                "(cfg.parallel_attn_mlp=True), so no residual stream lies between them; "
+                "patch attn_out or resid_pre instead"
+            )
+        if name in self.model.hook_dict:
+            raise PatchingError(
+                f"{where}: the hook point exists but this model's forward never fires it "
+                "(attn.hook_result, for one, needs cfg.use_attn_result=True)"
+            )
+        raise PatchingError(
+            f"{where}: activation_name must name an activation inside every block, as "
+            "transformer_lens.utilities.get_act_name(activation_name, layer) spells it (e.g. "
+            "'resid_pre', 'attn_out', 'z', 'k'); for the embeddings patch 'resid_pre' at "
+            "layer 0"
+        )
 
     def expected(self, layer: int) -> torch.Size:
         """The shape after `batch` of this activation in the corrupted run."""
@@ -119,10 +156,10 @@ class _Sweep:
         return clean.to(self.model.cfg.device).expand(self.batch, *clean.shape[1:])
 
     def heads(self) -> int:
-        kv = self.model.cfg.n_key_value_heads
-        return (
-            kv if self.activation_name in ("k", "v") and kv is not None else self.model.cfg.n_heads
-        )
+        """Heads of a head index: what `hook_k`/`hook_v` hold for keys and values."""
+        if self.activation_name in ("k", "v"):
+            return int(self.expected(0)[1])
+        return int(self.model.cfg.n_heads)
 
     def run(
         self,
@@ -135,8 +172,6 @@ class _Sweep:
         progress: bool,
         single_position: bool = False,
     ) -> torch.Tensor:
-        if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
-            raise PatchingError(f"max_batch must be a positive int or None, got {max_batch!r}")
         out = torch.zeros(shape, device=self.model.cfg.device)
         return sweep(
             self.model,
@@ -151,6 +186,32 @@ class _Sweep:
             progress,
             single_position,
         )
+
+
+def _positive(value: Any) -> int | None:
+    """`value` as an int when it is a positive int (not a bool), else `None`."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = operator.index(value)
+    except TypeError:
+        return None
+    return number if number >= 1 else None
+
+
+def _check_limits(max_batch: Any, max_bytes: Any, progress: Any) -> None:
+    if max_batch is not None and _positive(max_batch) is None:
+        raise PatchingError(
+            f"max_batch must be a positive int (patched runs per forward pass) or None, got "
+            f"{max_batch!r} ({type(max_batch).__name__})"
+        )
+    if _positive(max_bytes) is None:
+        raise PatchingError(
+            f"max_bytes must be a positive int, a memory budget in bytes (default 2**30, 1 "
+            f"GiB), got {max_bytes!r} ({type(max_bytes).__name__})"
+        )
+    if not isinstance(progress, bool):
+        raise PatchingError(f"progress must be True or False, got {progress!r}")
 
 
 def _row_index(sweep: _Sweep, runs: list[Run], rows: list[int]) -> tuple[torch.Tensor, ...]:
@@ -213,6 +274,7 @@ def _patch(
     max_bytes: int = DEFAULT_MAX_BYTES,
     progress: bool = True,
 ) -> torch.Tensor:
+    _check_limits(max_batch, max_bytes, progress)
     sweep = _Sweep(model, corrupted_tokens, clean_cache, activation_name)
     shape: tuple[int, ...] = (model.cfg.n_layers,)
     if by_pos:
@@ -243,9 +305,12 @@ def generic_activation_patch(
 
     Same arguments and result as TransformerLens' `generic_activation_patch`: the first
     index column is the layer; a `pos` column, when there is one, is the first position
-    `patch_setter` changes (positions before it are reused from the corrupted run).
-    `patch_setter(corrupted_activation, index, clean_activation)` is called once per
-    patch on that run's full-length activation `[batch, pos, …]`.
+    `patch_setter` changes (positions before it are reused from the corrupted run; a
+    negative `pos` counts from the end). `patch_setter(corrupted_activation, index,
+    clean_activation)` is called once per patch on that run's full-length activation
+    `[batch, pos, …]`, and returns it patched (or `None` after editing it in place).
+    Patches of `rot_k`, `attn_scores` or `pattern`, whose tensors span every key
+    position, always run every position.
 
     **Arguments:**
 
@@ -258,6 +323,11 @@ def generic_activation_patch(
 
     **Returns:** the metric per patch, `[*axis sizes]`, or `[len(index_df)]` when
     `index_df` is given (and `index_df` itself with `return_index_df=True`).
+
+    **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
+    token ids of this model; [`PatchingError`][safelens.PatchingError] for a model,
+    clean cache, activation, index, setter result, metric result or limit that does not
+    fit, naming it.
 
     ```python
     >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
@@ -272,30 +342,37 @@ def generic_activation_patch(
 
     ```
     """
-    sweep = _Sweep(model, corrupted_tokens, clean_cache, activation_name)
+    _check_limits(max_batch, max_bytes, progress)
     if (index_df is None) == (index_axis_names is None):
         raise PatchingError(
             "pass exactly one of index_axis_names (a tuple such as ('layer', 'pos')) and "
             f"index_df; got index_axis_names={index_axis_names!r} and "
             f"index_df={'a DataFrame' if index_df is not None else None}"
         )
+    if index_df is not None and not isinstance(index_df, pd.DataFrame):
+        raise PatchingError(
+            f"index_df must be a pandas DataFrame of indices, got {type(index_df).__name__}"
+        )
+    sweep = _Sweep(model, corrupted_tokens, clean_cache, activation_name)
+    sizes = {"layer": model.cfg.n_layers, "pos": sweep.length, "src_pos": sweep.length}
+    sizes |= {"dest_pos": sweep.length, "head_index": sweep.heads(), "head": sweep.heads()}
     if index_df is None:
         assert index_axis_names is not None
-        sizes = {"layer": model.cfg.n_layers, "pos": sweep.length, "src_pos": sweep.length}
-        sizes |= {"dest_pos": sweep.length, "head_index": sweep.heads(), "head": sweep.heads()}
         unknown = [name for name in index_axis_names if name not in sizes]
         if unknown:
             raise PatchingError(f"index_axis_names {unknown} unknown; allowed: {sorted(sizes)}")
         shape = tuple(sizes[name] for name in index_axis_names)
         index_df = pd.DataFrame(_grid(shape), columns=list(index_axis_names))
     else:
+        _check_index_df(index_df, sizes)
         shape = (len(index_df),)
     columns = list(index_df.columns)
     pos_column = columns.index("pos") if "pos" in columns else None
     runs = []
     for slot, row in enumerate(index_df.itertuples(index=False)):
         index = tuple(int(i) for i in row)
-        runs.append(Run(index[0], index[pos_column] if pos_column is not None else 0, slot, index))
+        pos = index[pos_column] % sweep.length if pos_column is not None else 0
+        runs.append(Run(index[0], pos, slot, index))
 
     def patch(
         tensor: torch.Tensor, runs: list[Run], rows: list[int], batch: int, start: int
@@ -306,10 +383,59 @@ def generic_activation_patch(
             own = tensor[row : row + batch]
             full = torch.cat([before[:, :start], own], dim=1)
             patched = patch_setter(full, list(run.index), sweep.clean[layer])
-            own.copy_(patched[:, start:])
+            _check_patched(full if patched is None else patched, full, before, start, run)
+            own.copy_((full if patched is None else patched)[:, start:])
 
     result = sweep.run(runs, shape, patch, patching_metric, max_batch, max_bytes, progress)
     return (result, index_df) if return_index_df else result
+
+
+def _check_index_df(index_df: pd.DataFrame, sizes: dict[str, int]) -> None:
+    """A `PatchingError` unless every column holds integer indices within its axis."""
+    if not len(index_df.columns):
+        raise PatchingError("index_df has no columns; the first column must be the layer")
+    for number, column in enumerate(index_df.columns):
+        values = index_df[column]
+        if not pd.api.types.is_integer_dtype(values) or pd.api.types.is_bool_dtype(values):
+            raise PatchingError(
+                f"index_df column {column!r} holds {values.dtype}; expected integer indices "
+                "(index_df.astype(int) if they are whole numbers)"
+            )
+        name = "layer" if number == 0 else column
+        if name not in sizes or not len(values):
+            continue
+        size = sizes[name]
+        low = 0 if name == "layer" else -size
+        bad = values[(values < low) | (values >= size)]
+        if len(bad):
+            raise PatchingError(
+                f"index_df column {column!r} holds {int(bad.iloc[0])}; expected a {name} "
+                f"index in [{low}, {size}) for this model and corrupted_tokens"
+            )
+
+
+def _check_patched(
+    patched: Any, full: torch.Tensor, before: torch.Tensor, start: int, run: Run
+) -> None:
+    """A `PatchingError` unless `patched` fits `full` and keeps positions before `start`."""
+    if not isinstance(patched, torch.Tensor) or patched.shape != full.shape:
+        got = (
+            f"shape {tuple(patched.shape)}"
+            if isinstance(patched, torch.Tensor)
+            else type(patched).__name__
+        )
+        raise PatchingError(
+            f"patch_setter returned {got} for index {list(run.index)}; expected the "
+            f"activation it was given, shape {tuple(full.shape)} (or None after editing "
+            "it in place)"
+        )
+    if start and not torch.equal(patched[:, :start], before[:, :start]):
+        raise PatchingError(
+            f"patch_setter changed positions before {start} for index {list(run.index)}, "
+            f"whose pos is {run.pos}; the cached sweep reuses the corrupted run's positions "
+            "before each index's pos. Give each row the first position its patch changes "
+            "as pos, or leave pos out of the index columns"
+        )
 
 
 _EXAMPLE = """
@@ -374,6 +500,10 @@ def _sweep_function(
     - `progress`: show a progress bar.
 
     **Returns:** the metric per patch, float32 `[{axes}]` on the model's device.
+
+    **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
+    token ids of this model; [`PatchingError`][safelens.PatchingError] for a model,
+    clean cache, activation, metric result or limit that does not fit, naming it.
     {_EXAMPLE.format(name=name, shape=example)}"""
     return patch
 

@@ -22,10 +22,18 @@ path would not reproduce it: an unfrozen cache, no cache, those hooks, ALiBi or
 relative position biases, local or bidirectional attention, attention sinks,
 soft-capped scores, `use_attn_result`, QK clipping or norms applied in the forward,
 dynamic NTK rotary, multi-device models, or an attention class of its own.
+
+Threads: the readers are installed on the model's attention modules (their `forward`
+attribute) by the first thread that enters the block and removed by the last one that
+leaves, which restores exactly the attribute state found; in between, a reader does its
+work only for calls from a thread inside the block, and hands any other thread's call
+to the layer's own forward, unchanged. So threads may score continuations of one frozen
+prefix on one model at once, next to threads running plain forwards.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -39,7 +47,7 @@ from transformer_lens.utilities.activation_functions import softcap_enabled
 
 from ._cache_entry import KeyValueCacheEntry
 
-__all__ = ["shared_prefix_attention"]
+__all__ = ["hooked_here", "shared_prefix_attention"]
 
 _POSITIONS = ("standard", "rotary", "shortformer")
 _NORMED_IN_FORWARD = ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
@@ -65,16 +73,56 @@ def supports(attn: Any) -> bool:
     )
 
 
+def hooked_here(point: torch.nn.Module) -> bool:
+    """Whether `point` has a forward hook that acts on the calling thread's passes.
+
+    A hook with a `thread` attribute (a thread id) acts only on that thread's passes,
+    as the patching sweeps' own hooks do; any other hook acts on every thread's.
+    """
+    me = threading.get_ident()
+    hooks = tuple(point._forward_hooks.values())  # one step: other threads may add hooks
+    return any(getattr(hook, "thread", me) == me for hook in hooks)
+
+
 def _same_rows(mask: Int[torch.Tensor, "batch pos"]) -> bool:
     return bool((mask == mask[:1]).all())
+
+
+class _Installed:
+    """The readers installed on one model, how many blocks hold them, and who is inside."""
+
+    def __init__(self) -> None:
+        self.holders = 0
+        self.replaced: list[tuple[Any, Any]] = []
+        self._depth = threading.local()
+
+    def inside(self) -> bool:
+        """Whether the calling thread is inside a `shared_prefix_attention` block."""
+        return getattr(self._depth, "value", 0) > 0
+
+    def enter(self) -> None:
+        """Count the calling thread into one more block."""
+        self._depth.value = getattr(self._depth, "value", 0) + 1
+
+    def leave(self) -> None:
+        """Count the calling thread out of its innermost block."""
+        self._depth.value -= 1
+
+
+# Models whose attention holds readers, by id (each is alive while a block holds it).
+_INSTALLED: dict[int, _Installed] = {}
+_INSTALLING = threading.Lock()
 
 
 class _SharedReader:
     """An attention forward that reads broadcast cache pieces once (see the module)."""
 
-    def __init__(self, attn: Any, original: Callable[..., torch.Tensor]) -> None:
+    def __init__(
+        self, attn: Any, original: Callable[..., torch.Tensor], installed: _Installed
+    ) -> None:
         self.attn = attn
         self.original = original
+        self.installed = installed
 
     def __call__(
         self,
@@ -89,11 +137,12 @@ class _SharedReader:
         attn = self.attn
         rotary = attn.cfg.positional_embedding_type == "rotary"
         if (
-            not isinstance(past_kv_cache_entry, KeyValueCacheEntry)
+            not self.installed.inside()
+            or not isinstance(past_kv_cache_entry, KeyValueCacheEntry)
             or not past_kv_cache_entry.reads_in_pieces
             or additive_attention_mask is not None
             or position_bias is not None
-            or (rotary and attn.hook_rot_k._forward_hooks)
+            or (rotary and hooked_here(attn.hook_rot_k))
         ):
             return self.original(
                 query_input=query_input,
@@ -196,6 +245,11 @@ def shared_prefix_attention(model: Any) -> Iterator[None]:
     reproduce exactly run TransformerLens' own forward (see the module notes).
     [`score_continuations`][safelens.score_continuations] and the patching sweeps use it.
 
+    Safe from threads: the block changes only calls made by the thread inside it (other
+    threads' forwards on the same model run TransformerLens' own attention), and when
+    the last thread leaves, the attention modules are exactly as they were, even if a
+    block raised.
+
     **Arguments:**
 
     - `model`: a TransformerLens `HookedTransformer`.
@@ -222,17 +276,51 @@ def shared_prefix_attention(model: Any) -> Iterator[None]:
         raise TypeError(
             f"model must be a HookedTransformer with attention blocks, got {type(model).__name__}"
         )
-    replaced: list[tuple[Any, Any]] = []
+    installed = _hold(model, blocks)
     try:
-        for block in blocks:
-            attn = block.attn
-            if supports(attn):
-                replaced.append((attn, attn.__dict__.get("forward")))
-                attn.forward = _SharedReader(attn, attn.forward)
-        yield
+        installed.enter()
+        try:
+            yield
+        finally:
+            installed.leave()
     finally:
-        for attn, previous in reversed(replaced):
-            if previous is None:
-                del attn.forward
-            else:
-                attn.forward = previous
+        _release(model, installed)
+
+
+def _hold(model: Any, blocks: Any) -> _Installed:
+    """Install the readers on `model` unless another block already has; count this one."""
+    with _INSTALLING:
+        installed = _INSTALLED.get(id(model))
+        if installed is None:
+            installed = _Installed()
+            try:
+                for block in blocks:
+                    attn = block.attn
+                    if supports(attn):
+                        previous = attn.__dict__.get("forward")
+                        attn.forward = _SharedReader(attn, attn.forward, installed)
+                        installed.replaced.append((attn, previous))
+            except BaseException:
+                _uninstall(installed)
+                raise
+            _INSTALLED[id(model)] = installed
+        installed.holders += 1
+        return installed
+
+
+def _release(model: Any, installed: _Installed) -> None:
+    """Count this block out; the last one out restores every `forward` it found."""
+    with _INSTALLING:
+        installed.holders -= 1
+        if installed.holders == 0:
+            del _INSTALLED[id(model)]
+            _uninstall(installed)
+
+
+def _uninstall(installed: _Installed) -> None:
+    for attn, previous in reversed(installed.replaced):
+        if previous is None:
+            del attn.forward
+        else:
+            attn.forward = previous
+    installed.replaced.clear()

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import itertools
+import threading
+
 import pandas as pd
 import pytest
 import torch
 import transformer_lens.patching as tl_patching
-from models import make_model, tokens
+from models import D_VOCAB, make_model, tokens
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformer_lens import HookedTransformer, HookedTransformerConfig
+from transformers import PreTrainedTokenizerFast
 
 import safelens
-from safelens import PatchingError, logit_diff_metric
+from safelens import PatchingError, TokenError, logit_diff_metric
 
 SWEEPS = [
     "get_act_patch_resid_pre",
@@ -169,7 +176,7 @@ def test_patching_identical_activations_is_a_no_op() -> None:
 
 def test_errors_name_the_argument() -> None:
     model, corrupted, clean_cache, metric = setup("standard")
-    with pytest.raises(PatchingError, match="corrupted_tokens must be an integer tensor"):
+    with pytest.raises(TokenError, match="corrupted_tokens must hold integer token ids"):
         safelens.get_act_patch_resid_pre(model, corrupted.float(), clean_cache, metric)
     with pytest.raises(PatchingError, match="same length"):
         safelens.get_act_patch_resid_pre(model, corrupted[:, :4], clean_cache, metric)
@@ -226,3 +233,534 @@ def test_a_declared_last_position_metric_gets_only_the_last_position(name: str) 
     undeclared = LastPositionRecorder(metric, "yes")  # only True declares it
     getattr(safelens, name)(model, corrupted, clean_cache, undeclared, progress=False)
     assert undeclared.shapes == {(6, model.cfg.d_vocab)}
+
+
+# -- hostile input -------------------------------------------------------------------
+
+
+def hook_state(model) -> dict[str, tuple[list[int], int]]:
+    """Every hook point's PyTorch hook ids and TransformerLens hook count."""
+    return {
+        name: (list(point._forward_hooks), len(point.fwd_hooks))
+        for name, point in model.hook_dict.items()
+    }
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (lambda t: t.bool(), "must hold integer token ids"),
+        (lambda t: t + D_VOCAB, f"ids must be in \\[0, d_vocab={D_VOCAB}\\)"),
+        (lambda t: t - 100, "holds token id -"),
+        (lambda t: t.repeat(1, 50), "more than the model's context n_ctx=256"),
+        (lambda t: t[None], r"must be \[batch, pos\] token ids, got shape \(1, 1, 6\)"),
+    ],
+)
+def test_corrupted_tokens_are_checked_before_anything_runs(bad, match) -> None:
+    model, corrupted, clean_cache, metric = setup("standard")
+    before = hook_state(model)
+    with pytest.raises(TokenError, match=match):
+        safelens.get_act_patch_resid_pre(model, bad(corrupted), clean_cache, metric)
+    assert hook_state(model) == before
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [
+        ("max_bytes", 0),
+        ("max_bytes", -1),
+        ("max_bytes", 1.5),
+        ("max_bytes", "1000"),
+        ("max_bytes", True),
+        ("max_batch", 0),
+        ("max_batch", -3),
+        ("max_batch", 2.0),
+        ("max_batch", "4"),
+        ("max_batch", True),
+        ("progress", "no"),
+    ],
+)
+def test_budgets_and_batch_sizes_must_be_positive_ints(argument: str, value) -> None:
+    model, corrupted, clean_cache, metric = setup("standard")
+    with pytest.raises(PatchingError, match=f"^{argument} must be "):
+        safelens.get_act_patch_resid_pre(model, corrupted, clean_cache, metric, **{argument: value})
+    with pytest.raises(PatchingError, match=f"^{argument} must be "):
+        safelens.generic_activation_patch(
+            model,
+            corrupted,
+            clean_cache,
+            metric,
+            tl_patching.layer_pos_patch_setter,
+            "resid_pre",
+            ("layer", "pos"),
+            **{argument: value},
+        )
+
+
+@pytest.mark.parametrize(
+    ("returned", "match"),
+    [
+        (lambda logits: None, "patching_metric returned None for logits"),
+        (lambda logits: "high", "patching_metric returned str 'high'"),
+        (lambda logits: logits[:2, -1, :3], r"patching_metric returned shape \(2, 3\)"),
+        (lambda logits: logits[:, -1, 0] * 1j, "complex"),
+    ],
+)
+def test_a_metric_returning_the_wrong_thing_is_named(returned, match) -> None:
+    model, corrupted, clean_cache, _ = setup("rotary-gqa")
+    before = hook_state(model)
+    with pytest.raises(PatchingError, match=match) as error:
+        safelens.get_act_patch_attn_head_k_by_pos(
+            model, corrupted, clean_cache, returned, progress=False
+        )
+    assert "expected a real tensor [" in str(error.value)
+    assert hook_state(model) == before
+    assert not any("forward" in block.attn.__dict__ for block in model.blocks)
+
+
+def test_a_metric_that_raises_leaves_the_model_and_its_hooks_as_they_were() -> None:
+    model, corrupted, clean_cache, metric = setup("rotary-gqa")
+    plain = model(corrupted)
+    seen: list[str] = []
+    model.add_hook("blocks.1.hook_resid_pre", lambda tensor, hook: seen.append(hook.name))
+    try:
+        before = hook_state(model)
+        calls: list[int] = []
+
+        def failing(logits: torch.Tensor) -> torch.Tensor:
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("metric failed")
+            return metric(logits)
+
+        with pytest.raises(RuntimeError, match="metric failed"):
+            safelens.get_act_patch_attn_head_out_by_pos(
+                model, corrupted, clean_cache, failing, max_batch=2, progress=False
+            )
+        assert hook_state(model) == before
+        assert not any("forward" in block.attn.__dict__ for block in model.blocks)
+    finally:
+        model.reset_hooks()
+    assert torch.equal(model(corrupted), plain)
+
+
+def test_a_scalar_metric_first_seen_on_a_single_run_is_still_per_run() -> None:
+    model, corrupted, clean_cache, _ = setup("standard")
+    index_df = pd.DataFrame({"layer": [0, 1, 1, 0], "pos": [0, 4, 5, 5]})
+
+    def scalar(logits: torch.Tensor) -> torch.Tensor:
+        return logits[0, -1, 3] - logits[0, -1, 5]
+
+    expected = tl_patching.generic_activation_patch(
+        model,
+        corrupted,
+        clean_cache,
+        scalar,
+        tl_patching.layer_pos_patch_setter,
+        "resid_pre",
+        index_df=index_df,
+    )
+    result = safelens.generic_activation_patch(
+        model,
+        corrupted,
+        clean_cache,
+        scalar,
+        tl_patching.layer_pos_patch_setter,
+        "resid_pre",
+        index_df=index_df,
+        progress=False,
+    )
+    torch.testing.assert_close(result, expected, atol=1e-4, rtol=0)
+
+
+# -- configurations whose shortcuts could go wrong ------------------------------------
+
+
+def tiny(**overrides) -> HookedTransformer:
+    """A fresh 2-layer d_model=32 model (not cached: tests may change it)."""
+    cfg = {
+        "n_layers": 2,
+        "d_model": 32,
+        "n_ctx": 16,
+        "d_head": 8,
+        "n_heads": 4,
+        "d_vocab": D_VOCAB,
+        "act_fn": "gelu",
+        "normalization_type": "LN",
+        "seed": 0,
+        "device": "cpu",
+    }
+    model = HookedTransformer(HookedTransformerConfig(**(cfg | overrides)))
+    model.eval()
+    return model
+
+
+def one_bidirectional_layer() -> HookedTransformer:
+    model = tiny(positional_embedding_type="rotary", n_key_value_heads=2)
+    model.blocks[1].attn._attention_dir_override = "bidirectional"
+    return model
+
+
+def with_attention_sinks() -> HookedTransformer:
+    model = tiny(use_attention_sinks=True)
+    generator = torch.Generator().manual_seed(3)
+    for block in model.blocks:
+        block.attn.sinks.copy_(torch.randn(block.attn.sinks.shape, generator=generator))
+    return model
+
+
+CONFIGS = {
+    "bidirectional": lambda: tiny(attention_dir="bidirectional"),
+    "one-bidirectional-layer": one_bidirectional_layer,
+    "local-window": lambda: tiny(
+        positional_embedding_type="rotary", attn_types=["local", "global"], window_size=2
+    ),
+    "qk-norm": lambda: tiny(
+        positional_embedding_type="rotary", n_key_value_heads=2, use_qk_norm=True
+    ),
+    "alibi": lambda: tiny(positional_embedding_type="alibi"),
+    "parallel-attn-mlp": lambda: tiny(parallel_attn_mlp=True),
+    "dynamic-ntk": lambda: tiny(
+        positional_embedding_type="rotary", use_dynamic_ntk_rope=True, train_seq_length=2
+    ),
+    "logn-scaling": lambda: tiny(
+        positional_embedding_type="rotary", use_logn_attn=True, train_seq_length=2
+    ),
+    "attention-sinks": with_attention_sinks,
+    "soft-capped": lambda: tiny(attn_scores_soft_cap=2.0, output_logits_soft_cap=3.0),
+    "attn-result": lambda: tiny(use_attn_result=True),
+}
+SHORTCUT_SWEEPS = [
+    "get_act_patch_resid_pre",
+    "get_act_patch_mlp_out",
+    "get_act_patch_attn_head_out_by_pos",
+    "get_act_patch_attn_head_k_by_pos",
+]
+
+
+def against_transformer_lens(model, name: str, batch: int = 1, length: int = 6) -> None:
+    """`name` equals TransformerLens' with a last-position metric and an every-position one."""
+    clean, corrupted = tokens(batch, length, seed=1), tokens(batch, length, seed=2)
+    clean_logits, clean_cache = model.run_with_cache(clean)
+    last = logit_diff_metric(clean_logits, model(corrupted), 3, torch.arange(batch) + 5)
+    for metric in (last, every_position):
+        expected = getattr(tl_patching, name)(model, corrupted, clean_cache, metric)
+        result = getattr(safelens, name)(model, corrupted, clean_cache, metric, progress=False)
+        assert expected.std() > 0
+        torch.testing.assert_close(result, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", SHORTCUT_SWEEPS)
+@pytest.mark.parametrize("config", CONFIGS)
+def test_configurations_equal_transformer_lens(config: str, name: str) -> None:
+    against_transformer_lens(CONFIGS[config](), name)
+
+
+@pytest.mark.parametrize("name", [name for name in SWEEPS if name not in SHORTCUT_SWEEPS])
+def test_every_sweep_on_a_bidirectional_model_equals_transformer_lens(name: str) -> None:
+    against_transformer_lens(CONFIGS["bidirectional"](), name)
+
+
+UNGROUPED = [
+    ("get_act_patch_attn_head_k_by_pos", "k", tl_patching.layer_pos_head_vector_patch_setter),
+    ("get_act_patch_attn_head_v_by_pos", "v", tl_patching.layer_pos_head_vector_patch_setter),
+    ("get_act_patch_attn_head_k_all_pos", "k", tl_patching.layer_head_vector_patch_setter),
+    ("get_act_patch_attn_head_v_all_pos", "v", tl_patching.layer_head_vector_patch_setter),
+]
+
+
+@pytest.mark.parametrize(("name", "activation", "setter"), UNGROUPED)
+def test_ungrouped_grouped_query_keys_and_values_index_every_head(name, activation, setter):
+    model = tiny(
+        positional_embedding_type="rotary",
+        n_key_value_heads=2,
+        ungroup_grouped_query_attention=True,
+    )
+    clean, corrupted = tokens(1, 6, seed=1), tokens(1, 6, seed=2)
+    clean_logits, clean_cache = model.run_with_cache(clean)
+    assert clean_cache[f"blocks.0.attn.hook_{activation}"].shape[2] == 4  # hook_k: every head
+    metric = logit_diff_metric(clean_logits, model(corrupted), 3, torch.tensor([5]))
+    result = getattr(safelens, name)(model, corrupted, clean_cache, metric, progress=False)
+    assert result.shape[-1] == 4
+    # TransformerLens' own sweep covers only the first n_key_value_heads of them,
+    expected = getattr(tl_patching, name)(model, corrupted, clean_cache, metric)
+    torch.testing.assert_close(result[..., :2], expected, atol=1e-4, rtol=0)
+    # and its generic sweep, asked for every head, gives the rest.
+    axes = ["layer", "pos", "head_index"] if "by_pos" in name else ["layer", "head_index"]
+    index_df = pd.DataFrame(
+        [list(index) for index in itertools.product(*map(range, result.shape))], columns=axes
+    )
+    every_head = tl_patching.generic_activation_patch(
+        model, corrupted, clean_cache, metric, setter, activation, index_df=index_df
+    )
+    torch.testing.assert_close(result.reshape(-1), every_head, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["get_act_patch_attn_head_q_by_pos", "get_act_patch_resid_pre"])
+def test_ungrouped_grouped_query_other_sweeps_equal_transformer_lens(name: str) -> None:
+    model = tiny(
+        positional_embedding_type="rotary",
+        n_key_value_heads=2,
+        ungroup_grouped_query_attention=True,
+    )
+    against_transformer_lens(model, name)
+
+
+def left_padding_tokenizer(pad: str) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer of `w0 … w60` (BOS w2, padding `pad`) that pads on the left."""
+    vocab = {f"w{i}": i for i in range(D_VOCAB)}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab=vocab, unk_token="w1")),
+        pad_token=pad,
+        bos_token="w2",
+        eos_token="w3",
+        unk_token="w1",
+        name_or_path="word-level",
+        add_bos_token=True,
+    )
+
+
+@pytest.mark.parametrize("name", SHORTCUT_SWEEPS)
+@pytest.mark.parametrize(
+    ("positional", "pad"), [("standard", "w0"), ("rotary", "w0"), ("rotary", "w2")]
+)
+def test_left_padded_prompts_are_masked_as_transformer_lens_masks_them(positional, pad, name):
+    model = HookedTransformer(
+        HookedTransformerConfig(
+            n_layers=2,
+            d_model=32,
+            n_ctx=16,
+            d_head=8,
+            d_vocab=D_VOCAB,
+            act_fn="gelu",
+            positional_embedding_type=positional,
+            seed=0,
+            device="cpu",
+        ),
+        tokenizer=left_padding_tokenizer(pad),
+        default_padding_side="left",
+    )
+    p = model.tokenizer.pad_token_id  # w2 is also BOS: TransformerLens keeps the last one
+    clean = torch.tensor([[p, p, 2, 5, 6, 7], [2, 9, 10, 11, 12, 13]])
+    corrupted = torch.tensor([[p, p, 2, 8, 6, 7], [2, 9, 14, 11, 15, 13]])
+    clean_logits, clean_cache = model.run_with_cache(clean)
+    metric = logit_diff_metric(clean_logits, model(corrupted), 3, torch.tensor([5, 6]))
+    expected = getattr(tl_patching, name)(model, corrupted, clean_cache, metric)
+    result = getattr(safelens, name)(model, corrupted, clean_cache, metric, progress=False)
+    torch.testing.assert_close(result, expected, atol=1e-4, rtol=0)
+
+
+# -- generic sweeps ---------------------------------------------------------------------
+
+
+def generic_both(model, corrupted, clean_cache, metric, setter, activation, **index):
+    expected = tl_patching.generic_activation_patch(
+        model, corrupted, clean_cache, metric, setter, activation, **index
+    )
+    result = safelens.generic_activation_patch(
+        model, corrupted, clean_cache, metric, setter, activation, progress=False, **index
+    )
+    return result, expected
+
+
+@pytest.mark.parametrize(
+    ("activation", "columns", "setter"),
+    [
+        (
+            "pattern",
+            ["layer", "head_index", "pos"],
+            tl_patching.layer_head_pos_pattern_patch_setter,
+        ),
+        (
+            "attn_scores",
+            ["layer", "head_index", "pos"],
+            tl_patching.layer_head_pos_pattern_patch_setter,
+        ),
+        ("rot_k", ["layer", "pos", "head_index"], tl_patching.layer_pos_head_vector_patch_setter),
+    ],
+)
+def test_a_pos_column_on_activations_of_every_key_position_equals_transformer_lens(
+    activation: str, columns: list[str], setter
+) -> None:
+    model, corrupted, clean_cache, metric = setup("rotary-gqa")
+    heads = 2 if activation == "rot_k" else 4
+    grid = itertools.product(range(2), range(6), range(heads))
+    rows = [(layer, pos, head) for layer, pos, head in grid if (pos + head) % 3 == 0]
+    if columns[1] == "head_index":
+        rows = [(layer, head, pos) for layer, pos, head in rows]
+    index_df = pd.DataFrame(rows, columns=columns)
+    result, expected = generic_both(
+        model, corrupted, clean_cache, metric, setter, activation, index_df=index_df
+    )
+    assert expected.std() > 0
+    torch.testing.assert_close(result, expected, atol=1e-4, rtol=0)
+
+
+def test_negative_positions_and_in_place_setters_equal_transformer_lens() -> None:
+    model, corrupted, clean_cache, metric = setup("rotary-gqa")
+
+    def in_place(corrupted_act, index, clean_act) -> None:
+        corrupted_act[:, index[1]] = clean_act[:, index[1]]
+
+    index_df = pd.DataFrame({"layer": [0, 1, 1, 0], "pos": [-1, -3, 2, -6]})
+    result, expected = generic_both(
+        model, corrupted, clean_cache, metric, in_place, "resid_mid", index_df=index_df
+    )
+    torch.testing.assert_close(result, expected, atol=1e-4, rtol=0)
+
+
+def test_a_setter_that_changes_earlier_positions_is_refused() -> None:
+    model, corrupted, clean_cache, metric = setup("standard")
+
+    def up_to(corrupted_act, index, clean_act):
+        corrupted_act[:, : index[1] + 1] = clean_act[:, : index[1] + 1]
+        return corrupted_act
+
+    with pytest.raises(PatchingError, match="patch_setter changed positions before 4"):
+        safelens.generic_activation_patch(
+            model,
+            corrupted,
+            clean_cache,
+            metric,
+            up_to,
+            "resid_pre",
+            ("layer", "pos"),
+            progress=False,
+        )
+    with pytest.raises(PatchingError, match=r"patch_setter returned shape \(1, 5, 64\)"):
+        safelens.generic_activation_patch(
+            model,
+            corrupted,
+            clean_cache,
+            metric,
+            lambda act, index, clean: act[:, :5],
+            "resid_pre",
+            ("layer", "pos"),
+            progress=False,
+        )
+    assert not any(point._forward_hooks for point in model.hook_dict.values())
+
+
+@pytest.mark.parametrize(
+    ("index_df", "match"),
+    [
+        (
+            pd.DataFrame({"layer": [0, 2], "pos": [1, 1]}),
+            r"column 'layer' holds 2; expected a layer index in \[0, 2\)",
+        ),
+        (pd.DataFrame({"layer": [0, -1], "pos": [1, 1]}), r"column 'layer' holds -1"),
+        (
+            pd.DataFrame({"layer": [0, 1], "pos": [1, 6]}),
+            r"column 'pos' holds 6; expected a pos index in \[-6, 6\)",
+        ),
+        (
+            pd.DataFrame({"layer": [0, 1], "pos": [1.0, 2.5]}),
+            "column 'pos' holds float64; expected integer",
+        ),
+        (pd.DataFrame(), "index_df has no columns"),
+        ([[0, 1]], "index_df must be a pandas DataFrame"),
+    ],
+)
+def test_index_df_is_checked(index_df, match: str) -> None:
+    model, corrupted, clean_cache, metric = setup("standard")
+    with pytest.raises(PatchingError, match=match):
+        safelens.generic_activation_patch(
+            model,
+            corrupted,
+            clean_cache,
+            metric,
+            tl_patching.layer_pos_patch_setter,
+            "resid_pre",
+            index_df=index_df,
+            progress=False,
+        )
+
+
+def test_activations_a_model_lacks_are_named() -> None:
+    attn_only = make_model("standard", attn_only=True, d_model=32)
+    clean, corrupted = tokens(1, 5, seed=1), tokens(1, 5, seed=2)
+    _, clean_cache = attn_only.run_with_cache(clean)
+    metric = lambda logits: logits[:, -1, 3]  # noqa: E731
+    with pytest.raises(PatchingError, match="the model is attention-only .* has no MLP"):
+        safelens.get_act_patch_mlp_out(attn_only, corrupted, clean_cache, metric)
+    model, corrupted, clean_cache, metric = setup("standard")
+    with pytest.raises(PatchingError, match="'blocks.0.hook_embed'.*for the embeddings patch"):
+        safelens.generic_activation_patch(
+            model,
+            corrupted,
+            clean_cache,
+            metric,
+            tl_patching.layer_pos_patch_setter,
+            "embed",
+            ("layer", "pos"),
+        )
+    with pytest.raises(PatchingError, match="never fires it .*use_attn_result=True"):
+        safelens.generic_activation_patch(
+            model,
+            corrupted,
+            clean_cache,
+            metric,
+            tl_patching.layer_pos_head_vector_patch_setter,
+            "result",
+            ("layer", "pos", "head_index"),
+        )
+    parallel = tiny(parallel_attn_mlp=True)
+    _, parallel_cache = parallel.run_with_cache(clean)
+    with pytest.raises(PatchingError, match="in parallel .*no residual stream lies between"):
+        safelens.generic_activation_patch(
+            parallel,
+            corrupted,
+            parallel_cache,
+            metric,
+            tl_patching.layer_pos_patch_setter,
+            "resid_mid",
+            ("layer", "pos"),
+        )
+
+
+# -- threads ------------------------------------------------------------------------------
+
+
+def test_sweeps_and_continuations_from_threads_give_the_serial_results() -> None:
+    model = make_model("rotary", 2, d_model=32)
+    clean, corrupted = tokens(1, 6, seed=1), tokens(1, 6, seed=2)
+    clean_logits, clean_cache = model.run_with_cache(clean)
+    metric = logit_diff_metric(clean_logits, model(corrupted), 3, torch.tensor([5]))
+    prefix = safelens.prefill(model, tokens(1, 5, seed=3))
+    continuations = [tokens(1, n, seed=10 + n)[0] for n in (1, 3, 2)]
+    plain = tokens(2, 7, seed=9)
+    jobs = {
+        "keys": lambda: safelens.get_act_patch_attn_head_k_by_pos(
+            model, corrupted, clean_cache, metric, progress=False
+        ),
+        "residual": lambda: safelens.get_act_patch_resid_pre(
+            model, corrupted, clean_cache, every_position, progress=False
+        ),
+        "continuations": lambda: (
+            safelens.score_continuations(model, prefix, continuations).log_probs
+        ),
+        "plain": lambda: model(plain),
+    }
+    serial = {name: job() for name, job in jobs.items()}
+    failures: list[str] = []
+
+    def work(name: str) -> None:
+        try:
+            with torch.no_grad():
+                for _ in range(4):
+                    out = jobs[name]()
+                    same = torch.equal if name == "plain" else torch.allclose
+                    if not same(out, serial[name]):
+                        failures.append(name)
+        except BaseException as error:  # noqa: BLE001 - reported to the test
+            failures.append(repr(error))
+
+    threads = [threading.Thread(target=work, args=(name,)) for name in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert not any("forward" in block.attn.__dict__ for block in model.blocks)
+    assert not any(point._forward_hooks or point.fwd_hooks for point in model.hook_dict.values())
+    assert torch.equal(model(plain), serial["plain"])

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from models import make_model, ones_mask, tokens
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
-from safelens import FrozenCacheError, KeyValueCache, shared_prefix_attention
+from safelens import (
+    FrozenCacheError,
+    KeyValueCache,
+    prefill,
+    score_continuations,
+    shared_prefix_attention,
+)
 
 MODELS = {
     "standard": ("standard", None),
@@ -209,3 +217,123 @@ def test_frozen_pieces_needs_a_frozen_entry_without_full_hooks() -> None:
     assert entry.sequence_length == 7
     entry.hook_k_full.add_hook(lambda tensor, hook: tensor)
     assert not entry.reads_in_pieces
+
+
+def test_a_forward_attribute_of_its_own_is_restored_exactly() -> None:
+    model = make_model("rotary")
+    attn = model.blocks[0].attn
+    own = attn.forward  # a bound method stored on the instance
+    attn.forward = own
+    try:
+        with shared_prefix_attention(model), shared_prefix_attention(model):
+            assert attn.__dict__["forward"] is not own
+        assert attn.__dict__["forward"] is own
+    finally:
+        del attn.forward
+    assert "forward" not in model.blocks[1].attn.__dict__
+
+
+def run_threads(jobs: list, iterations: int) -> list[str]:
+    """Run each job `iterations` times in a thread of its own; the errors they raised."""
+    errors: list[str] = []
+
+    def work(job) -> None:
+        try:
+            with torch.no_grad():
+                for _ in range(iterations):
+                    job()
+        except BaseException as error:  # noqa: BLE001 - reported to the test
+            errors.append(repr(error))
+
+    threads = [threading.Thread(target=work, args=(job,)) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors
+
+
+def test_threads_scoring_one_frozen_prefix_get_the_serial_results() -> None:
+    model = make_model("rotary", 2)
+    prefix = prefill(model, tokens(1, 7, seed=3))
+    before = snapshot(prefix.cache)
+    plain = tokens(2, 6, seed=11)
+    expected_plain = model(plain)
+    continuations = [[tokens(1, n, seed=20 + 4 * i + n)[0] for n in (1, 3, 2)] for i in range(3)]
+    serial = [score_continuations(model, prefix, c).log_probs for c in continuations]
+    mismatches: list[int] = []
+
+    def scorer(i: int):
+        def job() -> None:
+            if not torch.allclose(
+                score_continuations(model, prefix, continuations[i]).log_probs,
+                serial[i],
+                atol=1e-5,
+            ):
+                mismatches.append(i)
+
+        return job
+
+    def plain_forward() -> None:
+        if not torch.equal(model(plain), expected_plain):
+            mismatches.append(-1)
+
+    errors = run_threads([scorer(0), scorer(1), scorer(2), plain_forward], iterations=12)
+    assert errors == [] and mismatches == []
+    assert not any("forward" in block.attn.__dict__ for block in model.blocks)
+    assert torch.equal(model(plain), expected_plain)
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(prefix.cache), strict=True))
+
+
+def test_a_thread_outside_the_block_runs_transformer_lens_own_attention() -> None:
+    model = make_model("rotary", 2)
+    prefix = prefix_cache(model)
+    step = tokens(3, 3, seed=4)
+    reference = model(step, attention_mask=STEP_MASK, past_kv_cache=expanded(prefix, 3))
+    inside, done = threading.Event(), threading.Event()
+    seen: list[torch.Tensor] = []
+
+    def hold_the_block() -> None:
+        with shared_prefix_attention(model):
+            inside.set()
+            done.wait(timeout=30)
+
+    holder = threading.Thread(target=hold_the_block)
+    holder.start()
+    try:
+        assert inside.wait(timeout=30)
+        assert all("forward" in block.attn.__dict__ for block in model.blocks)
+        seen.append(model(step, attention_mask=STEP_MASK, past_kv_cache=expanded(prefix, 3)))
+    finally:
+        done.set()
+        holder.join()
+    assert torch.equal(seen[0], reference)  # bitwise: TransformerLens' own forward ran
+    assert not any("forward" in block.attn.__dict__ for block in model.blocks)
+
+
+def test_a_block_that_raises_in_one_thread_leaves_another_threads_block_working() -> None:
+    model = make_model("rotary", 2)
+    prefix = prefix_cache(model)
+    step = tokens(3, 3, seed=4)
+    reference = model(step, attention_mask=STEP_MASK, past_kv_cache=expanded(prefix, 3))
+    inside, raised = threading.Event(), threading.Event()
+    seen: list[torch.Tensor] = []
+
+    def hold_the_block() -> None:
+        with torch.no_grad(), shared_prefix_attention(model):
+            inside.set()
+            raised.wait(timeout=30)
+            seen.append(model(step, attention_mask=STEP_MASK, past_kv_cache=expanded(prefix, 3)))
+
+    holder = threading.Thread(target=hold_the_block)
+    holder.start()
+    try:
+        assert inside.wait(timeout=30)
+        with pytest.raises(RuntimeError, match="inside"), shared_prefix_attention(model):
+            raise RuntimeError("inside")
+        assert all("forward" in block.attn.__dict__ for block in model.blocks)
+    finally:
+        raised.set()
+        holder.join()
+    torch.testing.assert_close(seen[0], reference, atol=1e-5, rtol=1e-5)
+    assert not any("forward" in block.attn.__dict__ for block in model.blocks)
