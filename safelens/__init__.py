@@ -2,11 +2,13 @@
 
 from typing import TYPE_CHECKING, Any
 
-from ._ablation import Ablation, ablate_read, ablate_write
+from ._ablation import ablate_read, ablate_write
+from ._ablation_plan import Ablation
 from ._cache import KeyValueCache
 from ._cache_entry import KeyValueCacheEntry
 from ._capture import run_with_cache_capture
 from ._config import CacheDimensions, parse_dtype
+from ._continuations import ContinuationScores, score_continuations
 from ._errors import (
     CacheConfigError,
     CacheFileError,
@@ -40,8 +42,19 @@ from ._patching import (
     get_act_patch_mlp_out,
     get_act_patch_resid_pre,
 )
+from ._patching_every import (
+    get_act_patch_attn_head_all_pos_every,
+    get_act_patch_attn_head_by_pos_every,
+    get_act_patch_block_every,
+)
+from ._patching_patterns import (
+    get_act_patch_attn_head_pattern_all_pos,
+    get_act_patch_attn_head_pattern_by_pos,
+    get_act_patch_attn_head_pattern_dest_src_pos,
+    get_act_patch_resid_mid,
+)
 from ._plotting import plot_patching_heatmap
-from ._prefix import ContinuationScores, Prefix, prefill, score_continuations
+from ._prefix import Prefix, prefill
 from ._run import run_with_hooks
 from ._shared_attention import shared_prefix_attention
 from ._values import concat_values, shape_of
@@ -76,6 +89,7 @@ HookedTransformerKeyValueCacheEntry = KeyValueCacheEntry
 __all__ = [
     "generic_activation_patch",
     "get_act_patch_resid_pre",
+    "get_act_patch_resid_mid",
     "get_act_patch_attn_out",
     "get_act_patch_mlp_out",
     "get_act_patch_attn_head_out_by_pos",
@@ -86,6 +100,12 @@ __all__ = [
     "get_act_patch_attn_head_q_all_pos",
     "get_act_patch_attn_head_k_all_pos",
     "get_act_patch_attn_head_v_all_pos",
+    "get_act_patch_attn_head_pattern_by_pos",
+    "get_act_patch_attn_head_pattern_dest_src_pos",
+    "get_act_patch_attn_head_pattern_all_pos",
+    "get_act_patch_attn_head_all_pos_every",
+    "get_act_patch_attn_head_by_pos_every",
+    "get_act_patch_block_every",
     "logit_diff_metric",
     "plot_patching_heatmap",
     "PatchingError",

@@ -1,9 +1,7 @@
-"""Ablating a prefix's keys and values: `Ablation`, `ablate_read`, `ablate_write`.
+"""Ablating a prefix's keys and values: `ablate_read` and `ablate_write`.
 
-An [`Ablation`][safelens.Ablation] names what to edit (layers, KV heads, positions of
-the prefix, keys and/or values) and how: `"zero"`, `"mean"` (over a reference set of
-caches), `"resample"` (from another prompt's cache) or `"function"` (a function of the
-selected slice). Two semantics apply it, each a function of its own:
+An [`Ablation`][safelens.Ablation] (`safelens._ablation_plan`) names what to edit and
+how. Two semantics apply it, each a function of its own:
 
 - [`ablate_read`][safelens.ablate_read] (read-time): later tokens read the edited
   prefix keys/values; the prefix's own activations, and so its last logits, stay as
@@ -16,10 +14,7 @@ selected slice). Two semantics apply it, each a function of its own:
 
 Both return a new [`Prefix`][safelens.Prefix]; the source prefix and every reference are
 never changed, and everything (indices, references, the model) is checked before
-anything runs. Positions index the prefix's cache axis, left padding included. Heads
-index the cache's heads axis: KV heads under grouped-query attention (an edit of KV head
-`h` reaches every query head reading it), all `n_heads` with TransformerLens'
-`ungroup_grouped_query_attention=True`.
+anything runs.
 
 Caveat: on models that normalise or clip keys after `attn.hook_k` (`use_qk_norm`, the
 OLMo family's q/k norm, `clip_qkv`), the cache stores the normalised/clipped keys, so a
@@ -29,346 +24,22 @@ edits).
 
 from __future__ import annotations
 
-import operator
-import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
-from jaxtyping import Int
 
+from ._ablation_plan import Ablation, _Edit, _plan
 from ._cache import KeyValueCache
 from ._config import refuse_ungrouped
-from ._errors import CacheConfigError, CacheShapeError
+from ._errors import CacheConfigError
 from ._prefix import Prefix
+from ._thread_hooks import Hook, thread_hooks
 from ._tokens import check_tokens
 
-__all__ = ["Ablation", "ablate_read", "ablate_write"]
+__all__ = ["ablate_read", "ablate_write"]
 
-AblationKind = Literal["zero", "mean", "resample", "function"]
-AblationTarget = Literal["keys", "values", "both"]
-Indices = int | Sequence[int] | None
-_KINDS = ("zero", "mean", "resample", "function")
-_TARGETS = ("keys", "values", "both")
 _NORMED_KEYS = ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
-
-
-def _as_int(value: Any) -> int | None:
-    """`value` as an int if it is one (numpy and 0-d integer tensors too), else `None`."""
-    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
-def _index_spec(value: Any, what: str) -> int | tuple[int, ...] | None:
-    """`value` checked and normalised: `None`, an int, or a tuple of distinct ints."""
-    if value is None:
-        return None
-    single = _as_int(value)
-    if single is not None:
-        return single
-    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
-        raise TypeError(
-            f"{what} must be an int, a sequence of ints or None, got {type(value).__name__} "
-            f"{value!r}"
-        )
-    items = list(value)
-    if not items:
-        raise ValueError(f"{what} is empty, so the ablation would edit nothing; pass None for all")
-    picked = [_as_int(item) for item in items]
-    for i, (item, index) in enumerate(zip(items, picked, strict=True)):
-        if index is None:
-            raise TypeError(
-                f"{what} must hold ints, got {item!r} ({type(item).__name__}) at index {i}"
-            )
-    ints = tuple(index for index in picked if index is not None)
-    if len(set(ints)) != len(ints):
-        raise ValueError(f"{what} {list(ints)} lists an index more than once; list each once")
-    return ints
-
-
-def _resolve(spec: Indices, size: int, what: str, of: str) -> torch.Tensor:
-    """The indices `spec` selects among `size` (negative ones counted from the end)."""
-    if spec is None:
-        return torch.arange(size)
-    listed = [spec] if isinstance(spec, int) else list(spec)
-    bad = [i for i in listed if not -size <= i < size]
-    if bad:
-        raise IndexError(f"{what} {bad} out of range for {of}: each must be in [{-size}, {size})")
-    normalised = [i % size for i in listed]
-    if len(set(normalised)) != len(normalised):
-        raise ValueError(f"{what} {listed} name one index twice (as i and i - {size})")
-    return torch.tensor(normalised)
-
-
-def _reference_list(ablation: Ablation) -> tuple[Any, ...]:
-    """The reference caches/prefixes of a mean/resample ablation, checked for type."""
-    given = ablation.reference
-    refs = tuple(given) if isinstance(given, list | tuple) else (given,)
-    if not refs:
-        raise ValueError(f'kind="{ablation.kind}" needs at least one reference; got an empty list')
-    if ablation.kind == "resample" and len(refs) != 1:
-        raise ValueError(f'kind="resample" takes one reference cache or prefix, got {len(refs)}')
-    for i, ref in enumerate(refs):
-        if not isinstance(ref, KeyValueCache | Prefix):
-            raise TypeError(
-                f"reference[{i}] must be a KeyValueCache or a Prefix, got {type(ref).__name__}"
-            )
-    return refs
-
-
-@dataclass(frozen=True)
-class Ablation:
-    """What to ablate in a prefix's keys/values, and with what.
-
-    **Arguments:**
-
-    - `kind`: `"zero"`, `"mean"`, `"resample"` or `"function"`.
-    - `layers`: a layer or layers to edit; `None` for all.
-    - `heads`: heads of the cache to edit (KV heads); `None` for all.
-    - `positions`: prefix positions to edit (cache axis, padding included); `None` for all.
-    - `target`: `"keys"`, `"values"` or `"both"`.
-    - `reference`: for `"mean"`, the caches (or prefixes) to average over, every row
-      weighted by its attention mask at each position; for `"resample"`, the cache (or
-      prefix) to copy from, batch 1 or the prefix's batch. Either must come from the same
-      model (layers, KV heads, `d_head`) and cover the edited positions.
-    - `fn`: for `"function"`, called as `fn(slice, layer, target)` with the selected
-      `[batch, positions, heads, d_head]` slice (`target` is `"keys"` or `"values"`),
-      returning a finite floating tensor of that shape.
-
-    Indices are ints (negative ones count from the end), each listed once; bools,
-    floats, strings and empty lists are refused. Lists are kept as tuples.
-
-    **Raises:** `ValueError` for an unknown kind or target, a missing or superfluous
-    `reference=`/`fn=`, or an empty or repeating index list; `TypeError` for indices
-    that are not ints or references that are not caches or prefixes.
-
-    ```python
-    >>> Ablation("zero", layers=1, heads=[0], positions=[2, 3]).positions
-    (2, 3)
-
-    ```
-    """
-
-    kind: AblationKind
-    layers: Indices
-    heads: Indices = None
-    positions: Indices = None
-    target: AblationTarget = "both"
-    reference: Any = None
-    fn: Callable[[torch.Tensor, int, str], torch.Tensor] | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in _KINDS:
-            raise ValueError(f"kind must be one of {_KINDS}, got {self.kind!r}")
-        if self.target not in _TARGETS:
-            raise ValueError(f"target must be one of {_TARGETS}, got {self.target!r}")
-        for name in ("layers", "heads", "positions"):
-            object.__setattr__(self, name, _index_spec(getattr(self, name), name))
-        uses_reference = self.kind in ("mean", "resample")
-        if uses_reference and self.reference is None:
-            raise ValueError(f'kind="{self.kind}" needs reference= (a cache or prefix)')
-        if not uses_reference and self.reference is not None:
-            raise ValueError(f'reference= is used by kind="mean" or "resample", not "{self.kind}"')
-        if uses_reference:
-            _reference_list(self)
-        if self.kind == "function" and not callable(self.fn):
-            raise ValueError('kind="function" needs fn=, called as fn(slice, layer, target)')
-        if self.kind != "function" and self.fn is not None:
-            raise ValueError(f'fn= is used by kind="function", not "{self.kind}"')
-
-    def layer_list(self, n_layers: int) -> list[int]:
-        """The edited layers of a model of `n_layers` layers, sorted."""
-        return sorted(_resolve(self.layers, n_layers, "layers", f"{n_layers} layers").tolist())
-
-    def targets(self) -> tuple[str, ...]:
-        """`("keys",)`, `("values",)` or both."""
-        return ("keys", "values") if self.target == "both" else (self.target,)
-
-
-class _Shape(NamedTuple):
-    layers: int
-    batch: int
-    length: int
-    heads: int
-    d_head: int
-
-
-def _shape_of(cache: Any, what: str) -> _Shape:
-    """The sizes of a cache of `[batch, pos, heads, d_head]` tensors, read without changing it."""
-    if not isinstance(cache, KeyValueCache):
-        raise TypeError(f"{what} must be a KeyValueCache, got {type(cache).__name__}")
-    entries = cache.entries
-    if not entries:
-        raise CacheShapeError(
-            f"{what} holds no layers (an empty KeyValueCache()); pass a prefix from "
-            "prefill(model, tokens) or a cache a forward pass filled"
-        )
-    shapes = set()
-    for entry in entries:
-        for name in ("keys", "values"):
-            tensor = getattr(entry, name)
-            if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
-                raise CacheShapeError(
-                    f"{what} layer {entry.layer} {name} must be a [batch, pos, n_kv_heads, "
-                    f"d_head] tensor, got {type(tensor).__name__} of shape "
-                    f"{getattr(tensor, 'shape', None)}"
-                )
-            shapes.add(tuple(tensor.shape))
-    if len(shapes) != 1:
-        raise CacheShapeError(
-            f"{what} holds keys/values of several shapes {sorted(shapes)}; every layer must "
-            "be one [batch, pos, n_kv_heads, d_head] shape"
-        )
-    return _Shape(len(entries), *shapes.pop())
-
-
-class _Edit(NamedTuple):
-    """One ablation resolved against a prefix: indices and reference slices, checked."""
-
-    ablation: Ablation
-    layers: list[int]
-    heads: Int[torch.Tensor, " heads"]
-    positions: Int[torch.Tensor, " positions"]
-    sources: dict[tuple[int, str], torch.Tensor]
-
-    def apply(self, tensor: torch.Tensor, layer: int, target: str, start: int) -> torch.Tensor:
-        """`tensor` (holding positions `start…`) with this edit, as a new tensor."""
-        rows, cols = (self.positions - start)[:, None], self.heads[None, :]
-        selected = tensor[:, rows, cols]
-        if self.ablation.kind == "zero":
-            new = torch.zeros_like(selected)
-        elif self.ablation.kind == "function":
-            new = _checked(self.ablation.fn, selected, layer, target)
-        else:
-            new = self.sources[layer, target].to(selected)
-        out = tensor.clone()
-        out[:, rows, cols] = new.expand(selected.shape)
-        return out
-
-
-def _checked(fn: Any, selected: torch.Tensor, layer: int, target: str) -> torch.Tensor:
-    result = fn(selected, layer, target)
-    where = f"fn returned {{}} for layer {layer} {target}; expected"
-    if not isinstance(result, torch.Tensor) or result.shape != selected.shape:
-        got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
-        raise CacheShapeError(
-            f"{where.format(got)} shape {tuple(selected.shape)} [batch, positions, heads, "
-            "d_head], the slice it was given"
-        )
-    if not result.is_floating_point():
-        raise CacheShapeError(
-            f"{where.format(result.dtype)} a floating tensor like the slice ({selected.dtype})"
-        )
-    if not bool(torch.isfinite(result).all()):
-        bad = int((~torch.isfinite(result)).sum())
-        raise CacheShapeError(
-            f"{where.format(f'{bad} NaN or infinite values')} finite keys/values; a NaN "
-            "would reach every later position through attention"
-        )
-    return result.to(selected)
-
-
-def _fitted(ref: Any, what: str, kind: str, shape: _Shape, last: int) -> tuple[Any, Any]:
-    """`(cache, mask)` of one reference, or a `CacheShapeError` saying what does not fit."""
-    cache = ref.cache if isinstance(ref, Prefix) else ref
-    got = _shape_of(cache, what)
-    wrong = [
-        f"{name}: prefix has {want}, {what} {have}"
-        for name, want, have in [
-            ("layers", shape.layers, got.layers),
-            ("n_kv_heads", shape.heads, got.heads),
-            ("d_head", shape.d_head, got.d_head),
-        ]
-        if want != have
-    ]
-    if kind == "resample" and got.batch not in (1, shape.batch):
-        wrong.append(f"batch: prefix has {shape.batch}, {what} {got.batch} (expected 1 or that)")
-    if got.length <= last:
-        wrong.append(f"pos: the ablation edits position {last}, {what} has {got.length}")
-    if wrong:
-        raise CacheShapeError(
-            f"{what} does not fit the prefix: {'; '.join(wrong)}. A reference must come from "
-            "the same model, cover the edited positions (use reference prompts at least as "
-            "long) and, to resample, have batch 1 or the prefix's"
-        )
-    mask = ref.attention_mask if isinstance(ref, Prefix) else cache.previous_attention_mask
-    found = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-    if kind == "mean" and found != (got.batch, got.length):
-        raise CacheShapeError(
-            f"{what} needs an attention mask [batch={got.batch}, pos={got.length}] to weight "
-            f"its rows in a mean, got {found}; pass a prefix, or a cache built with "
-            "KeyValueCache(..., previous_attention_mask=)"
-        )
-    return cache, mask
-
-
-def _sources(
-    ablation: Ablation, shape: _Shape, layers: list[int], index: tuple[torch.Tensor, ...]
-) -> dict[tuple[int, str], torch.Tensor]:
-    """Each edited `(layer, target)`'s replacement slice from the references, checked."""
-    heads, positions = index
-    refs = _reference_list(ablation)
-    listed = isinstance(ablation.reference, list | tuple)
-    last = int(positions.max())
-    fitted = [
-        _fitted(ref, f"reference[{i}]" if listed else "reference", ablation.kind, shape, last)
-        for i, ref in enumerate(refs)
-    ]
-    weights: torch.Tensor | None = None
-    if ablation.kind == "mean":
-        device = fitted[0][0].entries[0].keys.device
-        weights = torch.cat([mask[:, positions].to(device, torch.float32) for _, mask in fitted])
-        empty = positions[(weights.sum(0) == 0).cpu()].tolist()
-        if empty:
-            raise CacheShapeError(
-                f"every reference row is padding (attention mask 0) at positions {empty}, so "
-                "the mean has nothing to average there; use references with real tokens there"
-            )
-    sources = {}
-    for layer in layers:
-        for target in ablation.targets():
-            picked = [
-                getattr(cache[layer], target)[:, positions[:, None], heads[None, :]]
-                for cache, _ in fitted
-            ]
-            if weights is None:
-                sources[layer, target] = picked[0]
-                continue
-            rows = torch.cat([p.to(weights.device, torch.float32) for p in picked])
-            mean = (rows * weights[:, :, None, None]).sum(0, keepdim=True)
-            sources[layer, target] = mean / weights.sum(0)[None, :, None, None]
-    return sources
-
-
-def _plan(prefix: Prefix, ablations: Ablation | Sequence[Ablation], what: str) -> list[_Edit]:
-    """Every ablation resolved against `prefix`, all checked before anything is edited."""
-    if not isinstance(prefix, Prefix):
-        raise TypeError(
-            f"{what} needs a Prefix (from safelens.prefill), got {type(prefix).__name__}"
-        )
-    items = [ablations] if isinstance(ablations, Ablation) else list(ablations)
-    if not items or not all(isinstance(a, Ablation) for a in items):
-        raise TypeError("ablations must be an Ablation or a non-empty list of Ablation objects")
-    prefix.check()
-    shape = _shape_of(prefix.cache, "prefix.cache")
-    edits = []
-    for ablation in items:
-        layers = ablation.layer_list(shape.layers)
-        heads = _resolve(ablation.heads, shape.heads, "heads", f"{shape.heads} KV heads")
-        positions = _resolve(
-            ablation.positions, shape.length, "positions", f"a prefix of {shape.length} positions"
-        )
-        sources = {}
-        if ablation.kind in ("mean", "resample"):
-            sources = _sources(ablation, shape, layers, (heads, positions))
-        edits.append(_Edit(ablation, layers, heads, positions, sources))
-    return edits
 
 
 def ablate_read(prefix: Prefix, ablations: Ablation | Sequence[Ablation]) -> Prefix:
@@ -454,32 +125,6 @@ def _check_model(model: Any, prefix: Prefix, edits: list[_Edit]) -> None:
             )
 
 
-@contextmanager
-def _attached(model: Any, hooks: list[tuple[str, Callable[..., Any]]]) -> Iterator[None]:
-    """`hooks` on the model's hook points for this thread's passes in the block only.
-
-    Plain torch hooks with their own handles, removed on exit (also on error), so
-    neither hooks of other callers nor other threads' passes through the model are
-    touched, and TransformerLens' shared `context_level` is left alone.
-    """
-    owner = threading.get_ident()
-    handles = []
-
-    def torch_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def call(point: Any, args: Any, output: torch.Tensor) -> Any:
-            return fn(output, point) if threading.get_ident() == owner else None
-
-        return call
-
-    try:
-        for name, fn in hooks:
-            handles.append(model.hook_dict[name].register_forward_hook(torch_hook(fn)))
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 def ablate_write(model: Any, prefix: Prefix, ablations: Ablation | Sequence[Ablation]) -> Prefix:
     """Write-time ablation: the prefix recomputed with the edit in its keys/values.
 
@@ -547,7 +192,7 @@ def ablate_write(model: Any, prefix: Prefix, ablations: Ablation | Sequence[Abla
 
         return edit
 
-    hooks: list[tuple[str, Callable[[torch.Tensor, Any], Any]]] = [
+    hooks: list[tuple[str, Hook]] = [
         (f"blocks.{layer}.attn.hook_{target[0]}", editor(layer, target))
         for layer, items in plan.items()
         for target in ("keys", "values")
@@ -560,7 +205,7 @@ def ablate_write(model: Any, prefix: Prefix, ablations: Ablation | Sequence[Abla
 
     if prefix.residuals is not None:
         hooks += [(f"blocks.{i}.hook_resid_pre", keep) for i in range(skip, n_layers)]
-    with torch.no_grad(), _attached(model, hooks):
+    with torch.no_grad(), thread_hooks([(model.hook_dict[name], fn) for name, fn in hooks]):
         if reuse_layers:
             assert prefix.residuals is not None
             logits = model(

@@ -27,12 +27,16 @@ from typing import Any
 import torch
 from jaxtyping import Int
 
+from ._arguments import integer, positive_int
 from ._cache_entry import KeyValueCacheEntry
+from ._cache_layout import check_layout
+from ._cache_layout import check_rows as _check_rows  # the name safelens._hf_cache imports
 from ._config import CacheDimensions
 from ._errors import CacheShapeError
+from ._fit import check_fits
 from ._frozen import FrozenFlag
 from ._hook_point import CacheHookPoint
-from ._persistence import Devices, check_fits, load_cache, save_cache
+from ._persistence import Devices, load_cache, save_cache
 from ._storage import Sequence
 from ._values import concat_values, shape_of, to_like
 
@@ -49,62 +53,6 @@ def _held(value: Any) -> Any:
 
 def _shown(value: Any) -> Any:
     return value.view() if isinstance(value, Sequence) else value
-
-
-def _check_rows(rows: Any) -> None:
-    """Refuse row indices that torch would read some other way (bools, floats)."""
-    if isinstance(rows, slice | int) and not isinstance(rows, bool):
-        return
-    if isinstance(rows, torch.Tensor):
-        if rows.dtype in (torch.bool,) or not (rows.is_floating_point() or rows.is_complex()):
-            return
-        raise TypeError(f"rows must be an integer (or bool mask) tensor, got dtype {rows.dtype}")
-    if isinstance(rows, list | tuple) and (
-        all(isinstance(r, int) and not isinstance(r, bool) for r in rows)
-        or all(isinstance(r, bool) for r in rows)
-    ):
-        return
-    raise TypeError(
-        f"rows must be an int, a slice, a list of ints or an integer tensor, got {rows!r}; "
-        "torch would read floats or bools as other rows than meant"
-    )
-
-
-def _check_layout(entries: dict[int, KeyValueCacheEntry], mask: Any) -> None:
-    """Refuse entries and a mask that cannot be one cache: every layer one batch and length."""
-    sized = {
-        layer: shape_of(entry.keys)
-        for layer, entry in entries.items()
-        if isinstance(entry.keys, torch.Tensor) and entry.keys.dim() >= 2
-    }
-    shapes = {layer: (shape[0], shape[1]) for layer, shape in sized.items() if shape}
-    if len(set(shapes.values())) > 1:
-        listed = ", ".join(f"layer {i}: batch={b}, pos={p}" for i, (b, p) in shapes.items())
-        raise CacheShapeError(
-            f"entries do not fit one cache: every layer needs the same batch and pos_so_far, "
-            f"got {listed}. Crop or select the entries to one length and batch first"
-        )
-    if mask is None:
-        return
-    mask_shape = shape_of(mask)
-    if mask_shape is None or len(mask_shape) != 2:
-        raise CacheShapeError(
-            f"previous_attention_mask must be [batch, pos_so_far], got "
-            f"{mask_shape if mask_shape is not None else type(mask).__name__}"
-        )
-    if isinstance(mask, torch.Tensor) and (mask.is_floating_point() or mask.is_complex()):
-        raise CacheShapeError(
-            f"previous_attention_mask must hold integer 0/1 values, got dtype {mask.dtype}; "
-            "pass mask.long()"
-        )
-    if shapes:
-        batch, length = next(iter(shapes.values()))
-        if mask_shape != (batch, length):
-            raise CacheShapeError(
-                f"previous_attention_mask of shape {mask_shape} does not fit the entries "
-                f"[batch={batch}, pos_so_far={length}]; the mask needs one column per cached "
-                "position and one row per batch row"
-            )
 
 
 class KeyValueCache:
@@ -151,7 +99,7 @@ class KeyValueCache:
                 raise TypeError(
                     f"entries[{layer}] must be a KeyValueCacheEntry, got {type(entry).__name__}"
                 )
-        _check_layout(given, previous_attention_mask)
+        check_layout(given, previous_attention_mask)
         self._lazy = entries is None
         self._entries = {layer: entry.adopted(layer) for layer, entry in given.items()}
         self._mask = _held(previous_attention_mask)
@@ -190,8 +138,7 @@ class KeyValueCache:
 
         ```
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        positive_int(batch_size, "batch_size", error=ValueError, shown=repr)
         dims = CacheDimensions.of(cfg)
         if device is None:
             device = getattr(cfg, "device", None)
@@ -211,8 +158,7 @@ class KeyValueCache:
 
     def __getitem__(self, layer: int) -> KeyValueCacheEntry:
         """Layer `layer`'s entry; a lazy cache creates it (inheriting the frozen flag)."""
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise TypeError(f"layer must be an int, got {type(layer).__name__} {layer!r}")
+        integer(layer, "layer")
         if not self._lazy:
             count = len(self._entries)
             if not -count <= layer < count:
@@ -349,11 +295,7 @@ class KeyValueCache:
     def _derived(self, op: Callable[[Sequence], Sequence], name: str) -> KeyValueCache:
         entries = {layer: e.derived(op, name) for layer, e in self._entries.items()}
         mask = op(self._mask) if isinstance(self._mask, Sequence) else self._mask
-        result = KeyValueCache()
-        result._lazy = self._lazy
-        result._entries = {layer: entry.adopted(layer) for layer, entry in entries.items()}
-        result._mask = mask
-        return result
+        return KeyValueCache.assembled(entries, mask, self._lazy)
 
     def fork(self) -> KeyValueCache:
         """A branch that shares everything cached so far and takes its own appends.
@@ -388,8 +330,7 @@ class KeyValueCache:
 
         ```
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"n must be a positive int, got {n!r}")
+        positive_int(n, "n", error=ValueError, shown=repr)
         if self.batch_size != 1:
             raise CacheShapeError(
                 f"expand(n) needs a batch-1 cache; this cache has batch {self.batch_size}. "
@@ -410,8 +351,7 @@ class KeyValueCache:
         ```
         """
         total = self.sequence_length
-        if isinstance(length, bool) or not isinstance(length, int):
-            raise TypeError(f"length must be an int, got {type(length).__name__}")
+        integer(length, "length", shown=lambda value: type(value).__name__)
         kept = total + length if length < 0 else length
         if not 0 <= kept <= total:
             raise ValueError(
@@ -489,7 +429,7 @@ class KeyValueCache:
 
         ```
         """
-        save_cache(self, path)
+        save_cache(self.entries, self.previous_attention_mask, self._frozen, path)
 
     @classmethod
     def load(cls, path: str | PathLike[str], device: Devices | None = None) -> KeyValueCache:
@@ -549,7 +489,7 @@ class KeyValueCache:
 
         ```
         """
-        check_fits(self, cfg)
+        check_fits(self.entries, cfg)
 
     # -- hook points ------------------------------------------------------------------
 

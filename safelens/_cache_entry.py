@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from jaxtyping import Float
 
+from ._arguments import is_int
 from ._errors import CacheShapeError, FrozenCacheError
 from ._frozen import FrozenFlag
 from ._hook_point import CacheHookPoint
@@ -301,7 +302,7 @@ class KeyValueCacheEntry:
         if not (isinstance(self._keys, Sequence) and isinstance(self._values, Sequence)):
             return self._append_plain(keys, values, dim)
         rank = self._keys.template.dim()
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim not in (_POS, _POS - rank):
+        if not is_int(dim) or dim not in (_POS, _POS - rank):
             raise CacheShapeError(
                 f"{self._where()}: dim={dim!r}, but a tensor cache grows along pos only "
                 f"(dim=1 or dim={_POS - rank} of [batch, pos, n_kv_heads, d_head]); "

@@ -8,12 +8,12 @@ works with both.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ._arguments import as_index
 from ._errors import CacheConfigError
 
 __all__ = ["CacheDimensions", "parse_dtype", "refuse_ungrouped"]
@@ -41,10 +41,7 @@ def _size(cfg: Any, names: tuple[str, ...], role: str) -> tuple[str, int] | None
     if found is None:
         return None
     name, value = found
-    try:
-        size = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        size = None
+    size = as_index(value)
     if size is None or size < 1:
         raise CacheConfigError(
             f"cfg of type {type(cfg).__name__} has {name}={value!r} "

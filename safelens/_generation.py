@@ -16,18 +16,17 @@ and each count, flag and sampling setting (NaN, infinities and bools refused).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from numbers import Real
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 from jaxtyping import Float, Int
 
+from ._arguments import finite_number, flag, integer, positive_int
 from ._errors import TokenError
-from ._prefix import Prefix, check_prefix, flag, positive_int
+from ._prefix import Prefix, check_prefix
 from ._tokens import check_tokens
 
 __all__ = ["Generation", "generate", "sample_logits"]
@@ -50,22 +49,14 @@ class Generation:
     log_probs: Float[torch.Tensor, "n new_tokens"]
 
 
-def _finite(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value}")
-    return float(value)
-
-
 def _check_sampling(temperature: Any, top_k: Any, top_p: Any) -> None:
-    if _finite(temperature, "temperature") < 0:
+    if finite_number(temperature, "temperature") < 0:
         raise ValueError(
             f"temperature must be >= 0 (0 means greedy), got {temperature}; a negative "
             "temperature would turn the distribution over and pick the least likely tokens"
         )
     positive_int(top_k, "top_k", optional=True)
-    if top_p is not None and not 0 < _finite(top_p, "top_p") <= 1:
+    if top_p is not None and not 0 < finite_number(top_p, "top_p") <= 1:
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
 
 
@@ -144,11 +135,8 @@ def sample_logits(
 
 
 def _seed(seed: Any) -> None:
-    if seed is None:
-        return
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int or None, got {type(seed).__name__} {seed!r}")
-    if not -(2**63) <= seed < 2**64:
+    integer(seed, "seed", optional=True)
+    if seed is not None and not -(2**63) <= seed < 2**64:
         raise ValueError(f"seed must be in [-2**63, 2**64) (torch.Generator's range), got {seed}")
 
 

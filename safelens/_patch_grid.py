@@ -16,8 +16,9 @@ attention mask TransformerLens' own forward would build for the tokens (the
 tokenizer's leading padding masked when it pads on the left).
 
 Threads: the sweep's hooks act only on the forward passes of the thread that runs the
-sweep, and are removed by their own handles, so sweeps in several threads on one model,
-and other threads' plain forwards, do not see each other's patches.
+sweep, and are removed by their own handles (`safelens._thread_hooks`), so sweeps in
+several threads on one model, and other threads' plain forwards, do not see each
+other's patches.
 
 Caveat: the batch at the last layer holds every run of the chunk, so the memory
 budget bounds the runs per chunk, not per layer.
@@ -25,11 +26,8 @@ budget bounds the runs per chunk, not per layer.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from jaxtyping import Float, Int
@@ -42,8 +40,9 @@ from ._cache import KeyValueCache
 from ._errors import PatchingError
 from ._patch_plan import Plan
 from ._shared_attention import shared_prefix_attention
+from ._thread_hooks import Hook, thread_hooks
 
-__all__ = ["CorruptedRun", "Patcher", "sweep", "thread_hooks"]
+__all__ = ["CorruptedRun", "Patcher", "sweep"]
 
 # Patch an activation in place for `runs`, whose `batch` rows each start at `rows`.
 # `patcher(tensor, runs, rows, batch, start)`: `tensor` holds positions `start:`.
@@ -53,42 +52,6 @@ Patcher = Callable[[torch.Tensor, list["Run"], list[int], int, int], None]
 # fewer, larger forward passes, for a few positions recomputed per run.
 _SPAN = 4
 Metric = Callable[[Float[torch.Tensor, "rows pos d_vocab"]], torch.Tensor]
-
-
-Hook = Callable[[torch.Tensor, HookPoint], torch.Tensor | None]
-
-
-@contextmanager
-def thread_hooks(points: list[tuple[HookPoint, Hook]]) -> Iterator[None]:
-    """Within the block, `fn(tensor, hook)` runs at each point, in this thread's passes only.
-
-    The hooks are registered with PyTorch directly and removed by their own handles,
-    even on error: the user's hooks on the same points (and TransformerLens' hook
-    bookkeeping) stay as they were, and other threads' forward passes never see them.
-    """
-    thread = threading.get_ident()
-    handles = []
-    try:
-        for point, fn in points:
-            handles.append(point.register_forward_hook(_ThreadHook(thread, point, fn)))
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-class _ThreadHook:
-    """A forward hook that applies `fn` to its point's output in one thread's passes."""
-
-    def __init__(self, thread: int, point: HookPoint, fn: Hook) -> None:
-        self.thread = thread  # read by `hooked_here`
-        self.point = point
-        self.fn = fn
-
-    def __call__(self, module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
-        if threading.get_ident() != self.thread:
-            return None
-        return self.fn(output, self.point)
 
 
 def _attention_mask_of(

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import torch
 from transformer_lens import HookedTransformer
 
-from ._shared_attention import hooked_here, supports
+from ._shared_attention import supports
+from ._thread_hooks import hooked_here
 
 __all__ = ["Plan", "causal", "reads_last_position"]
 

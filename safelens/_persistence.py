@@ -1,4 +1,4 @@
-"""Saving and loading caches in safetensors files, and checking a cache fits a model.
+"""Saving and loading caches in safetensors files: `save_cache` and `load_cache`.
 
 A saved cache is one [safetensors](https://huggingface.co/docs/safetensors) file: the
 tensors `layers.{l}.keys` and `layers.{l}.values` (`[batch, pos_so_far, n_kv_heads,
@@ -28,18 +28,18 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from io import BufferedReader
 from os import PathLike
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from ._cache_entry import KeyValueCacheEntry
-from ._config import CacheDimensions, parse_dtype
+from ._config import parse_dtype
 from ._errors import CacheConfigError, CacheFileError, CacheShapeError
 from ._safetensors_file import (
     DTYPE_CODES,
@@ -53,16 +53,13 @@ from ._safetensors_file import (
     write_safetensors,
 )
 
-if TYPE_CHECKING:
-    from ._cache import KeyValueCache
-
-__all__ = ["FORMAT", "FORMAT_VERSION", "save_cache", "load_cache", "check_fits"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "save_cache", "load_cache"]
 
 FORMAT = "safelens.kv_cache"
 FORMAT_VERSION = 1
 _MASK = "attention_mask"
 
-CacheT = TypeVar("CacheT", bound="KeyValueCache")
+CacheT = TypeVar("CacheT")
 Devices = torch.device | str | SequenceOf[torch.device | str] | Mapping[int, torch.device | str]
 
 
@@ -81,8 +78,7 @@ def _checksum(raw: memoryview) -> str:
 # -- saving ---------------------------------------------------------------------------
 
 
-def _layer_tensors(cache: KeyValueCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    entries = cache.entries
+def _layer_tensors(entries: list[KeyValueCacheEntry]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if not entries:
         raise CacheShapeError("save needs a cache with at least one layer; this cache has none")
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -117,11 +113,15 @@ def _layer_tensors(cache: KeyValueCache) -> list[tuple[torch.Tensor, torch.Tenso
     return pairs
 
 
-def save_cache(cache: KeyValueCache, path: str | PathLike[str]) -> None:
-    """Write `cache` to a safetensors file at `path` (see the module docstring)."""
+def save_cache(
+    entries: list[KeyValueCacheEntry], mask: Any, frozen: bool, path: str | PathLike[str]
+) -> None:
+    """Write a cache's layer `entries` (in order), `mask` and `frozen` flag to `path`.
+
+    See the module docstring for the file.
+    """
     path = Path(path)
-    pairs = _layer_tensors(cache)
-    mask = cache.previous_attention_mask
+    pairs = _layer_tensors(entries)
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
         raise CacheShapeError(
             f"save needs a [batch, pos_so_far] tensor attention mask or none; the cache "
@@ -153,7 +153,7 @@ def save_cache(cache: KeyValueCache, path: str | PathLike[str]) -> None:
         "sequence_length": str(length),
         "batch_size": str(batch),
         "has_attention_mask": json.dumps(mask is not None),
-        "frozen": json.dumps(bool(cache.frozen)),
+        "frozen": json.dumps(bool(frozen)),
         "devices": json.dumps([str(k.device) for k, _ in pairs]),
         "mask_device": json.dumps(None if mask is None else str(mask.device)),
         "checksums": json.dumps({name: _checksum(bytes_of(t)) for name, t in tensors.items()}),
@@ -373,9 +373,14 @@ def _moved(tensor: torch.Tensor, device: torch.device, what: str) -> torch.Tenso
 
 
 def load_cache(
-    cls: type[CacheT], path: str | PathLike[str], device: Devices | None = None
+    build: Callable[[list[KeyValueCacheEntry], torch.Tensor | None, bool], CacheT],
+    path: str | PathLike[str],
+    device: Devices | None = None,
 ) -> CacheT:
-    """Read a cache written by [`save_cache`][] (see the module docstring)."""
+    """Read a cache written by `save_cache`, made by `build(entries, mask, frozen)`.
+
+    See the module docstring for the file.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no cache file at {path}")
@@ -398,41 +403,6 @@ def load_cache(
             mask_device = devices[0] if device is not None else layout.mask_device
             assert mask_device is not None  # _layout pairs a mask with its device
             mask = _moved(tensors[_MASK], mask_device, "attention mask")
-        return cls(entries, mask, frozen=layout.frozen)
+        return build(entries, mask, layout.frozen)
     except CacheShapeError as error:
         raise CacheFileError(f"{path} does not hold a valid cache: {error}") from None
-
-
-# -- checking -------------------------------------------------------------------------
-
-
-def check_fits(cache: KeyValueCache, cfg: Any) -> None:
-    """Raise `CacheConfigError` listing every way `cache` does not fit model `cfg`."""
-    dims = CacheDimensions.of(cfg)
-    problems = []
-    if len(cache) != dims.n_layers:
-        problems.append(f"layers: cfg expects {dims.n_layers}, cache has {len(cache)}")
-    mismatches: dict[tuple[str, str, str], list[int | None]] = {}
-    for entry in cache.entries:
-        keys = entry.keys
-        if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
-            found = f"{type(keys).__name__} of shape {getattr(keys, 'shape', None)}"
-            key = ("layout", "[batch, pos_so_far, n_kv_heads, d_head] tensors", found)
-            mismatches.setdefault(key, []).append(entry.layer)
-            continue
-        found_sizes: list[tuple[str, object]] = [
-            ("n_kv_heads", keys.shape[2]),
-            ("d_head", keys.shape[3]),
-            ("dtype", keys.dtype),
-        ]
-        for name, value in found_sizes:
-            wanted = getattr(dims, name)
-            if value != wanted:
-                mismatches.setdefault((name, str(wanted), str(value)), []).append(entry.layer)
-    for (name, wanted, found), layers in mismatches.items():
-        problems.append(f"{name}: cfg expects {wanted}, cache has {found} (layers {layers})")
-    if problems:
-        raise CacheConfigError(
-            "the cache does not fit the model config: " + "; ".join(problems) + ". This "
-            "usually means the cache was made for another model"
-        )

@@ -1,70 +1,39 @@
-"""A prompt prefix run once, frozen and shared: `prefill` and `score_continuations`.
+"""A prompt prefix run once, frozen and shared: `Prefix` and `prefill`.
 
 [`prefill`][safelens.prefill] runs a prefix through a `HookedTransformer` into a frozen
 [`KeyValueCache`][safelens.KeyValueCache] and returns a [`Prefix`][safelens.Prefix]: the
 cache plus what a continuation needs from the prefix run (its tokens, attention mask,
 the logits at its last position, and optionally the residual stream entering each
-layer, which write-time ablations reuse). [`score_continuations`][safelens.score_continuations]
-then scores many continuations of that prefix in batches, broadcasting the prefix to
-each batch without copying it (`cache.expand(n)`), right-padding ragged continuations
-under an attention mask.
+layer, which write-time ablations reuse). What continues a prefix (scoring
+continuations, generating, ablating) checks it first with `check_prefix`: frozen,
+self-consistent and made by the model it is given. The stored prefix is never written:
+it stays frozen and bitwise unchanged.
 
-Each batch runs under [`shared_prefix_attention`][safelens.shared_prefix_attention], so
-attention reads the prefix's keys and values once per layer rather than once per row.
-Caveat on memory: the attention scores against the prefix still take `rows * n_heads *
-new_tokens * pos` values per layer; `memory_budget` and `batch_size` bound how many
-rows run at once. The stored prefix is never written: it
-stays frozen and bitwise unchanged.
+`prefill` checks what it is given before anything runs: token ids (dtype, `0 <= id <
+d_vocab`, at most `n_ctx` positions), the attention mask (0s and 1s, left-padded) and
+its flag. A refused call changes nothing.
 
-Both check what they are given before anything runs: token ids (dtype, `0 <= id <
-d_vocab`, at most `n_ctx` positions counting the prefix), sizes and flags, and that the
-prefix is frozen, self-consistent and made by this model. A refused call changes nothing.
+Caveat on memory: the kept residual stream takes `n_layers * batch * pos * d_model`
+values, about as much as the cache; `keep_residuals=False` drops it when no write-time
+ablation follows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from jaxtyping import Float, Int
 
+from ._arguments import flag, integer
 from ._cache import KeyValueCache
-from ._config import CacheDimensions, refuse_ungrouped
+from ._config import refuse_ungrouped
 from ._errors import CacheConfigError, CacheShapeError, FrozenCacheError, TokenError
-from ._shared_attention import shared_prefix_attention
+from ._thread_hooks import thread_hooks
 from ._tokens import check_tokens
 
-__all__ = ["Prefix", "ContinuationScores", "prefill", "score_continuations"]
-
-DEFAULT_MEMORY_BUDGET = 1 << 30
-_AUTO_PROGRESS_BATCHES = 8
-
-
-def _described(value: Any) -> str:
-    return f"{type(value).__name__} {value!r}"
-
-
-def positive_int(value: Any, name: str, *, optional: bool = False, unit: str = "") -> None:
-    """Refuse `value` unless it is an int >= 1 (or `None` when `optional`)."""
-    if value is None and optional:
-        return
-    expected = f"{name} must be a positive int{unit}{' or None' if optional else ''}"
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{expected}, got {_described(value)}")
-    if value < 1:
-        raise ValueError(f"{expected}, got {value}")
-
-
-def flag(value: Any, name: str, *, optional: bool = False) -> None:
-    """Refuse `value` with a `TypeError` unless it is a bool (or `None` when `optional`)."""
-    if value is None and optional:
-        return
-    if not isinstance(value, bool):
-        raise TypeError(
-            f"{name} must be True or False{' or None' if optional else ''}, got {_described(value)}"
-        )
+__all__ = ["Prefix", "check_prefix", "prefill"]
 
 
 @dataclass(frozen=True)
@@ -167,8 +136,7 @@ class Prefix:
 
         ```
         """
-        if isinstance(row, bool) or not isinstance(row, int):
-            raise TypeError(f"row must be an int, got {_described(row)}")
+        integer(row, "row")
         if not -self.batch_size <= row < self.batch_size:
             raise IndexError(f"row {row} is out of range for a prefix of batch {self.batch_size}")
         cache = self.cache.select([row])
@@ -182,27 +150,6 @@ class Prefix:
             self.last_logits[rows],
             residuals,
         )
-
-
-@dataclass(frozen=True)
-class ContinuationScores:
-    """Per-token log-probabilities of continuations, right-padded to the longest.
-
-    **Fields:**
-
-    - `log_probs`: `[n, new_tokens]` log-probability of each continuation token given
-      the prefix and the tokens before it; 0 on padding.
-    - `mask`: `[n, new_tokens]`, True on real tokens.
-    - `sums`: `[n]` total log-probability of each continuation.
-    """
-
-    log_probs: Float[torch.Tensor, "n new_tokens"]
-    mask: torch.Tensor
-    sums: Float[torch.Tensor, " n"]
-
-    def per_continuation(self) -> list[torch.Tensor]:
-        """The log-probabilities of each continuation, at its own length."""
-        return [row[keep] for row, keep in zip(self.log_probs, self.mask, strict=True)]
 
 
 def _model_config(model: Any, what: str) -> Any:
@@ -281,6 +228,10 @@ def prefill(
 ) -> Prefix:
     """Run a prefix through `model` once into a frozen cache, ready to share.
 
+    Safe from threads: the residuals are kept by hooks that act on this call's forward
+    pass alone, so other threads' passes through `model` meanwhile are neither captured
+    nor changed.
+
     **Arguments:**
 
     - `model`: a TransformerLens `HookedTransformer`.
@@ -321,77 +272,13 @@ def prefill(
     def keep(resid: torch.Tensor, hook: Any) -> None:
         residuals[hook.layer()] = resid
 
-    hooks = [(f"blocks.{i}.hook_resid_pre", keep) for i in range(model.cfg.n_layers)]
-    with torch.no_grad(), model.hooks(fwd_hooks=hooks if keep_residuals else []):
+    layers = range(model.cfg.n_layers) if keep_residuals else range(0)
+    points = [(model.hook_dict[f"blocks.{i}.hook_resid_pre"], keep) for i in layers]
+    with torch.no_grad(), thread_hooks(points):
         logits = model(tokens, attention_mask=mask, past_kv_cache=cache)
     cache.freeze()
     kept = tuple(residuals[i] for i in range(model.cfg.n_layers)) if keep_residuals else None
     return Prefix(cache, tokens, mask, logits[:, -1], kept)
-
-
-def _continuation_rows(continuations: Any, cfg: Any, past: int) -> list[torch.Tensor]:
-    if isinstance(continuations, torch.Tensor):
-        if continuations.dim() != 2:
-            raise TokenError(
-                f"continuations as one tensor must be [n, new_tokens], got shape "
-                f"{tuple(continuations.shape)}; pass a list of 1-D tensors for ragged lengths"
-            )
-        rows = list(check_tokens(continuations, cfg, "continuations", past=past))
-    elif isinstance(continuations, Sequence) and not isinstance(continuations, str):
-        rows = [
-            check_tokens(
-                torch.zeros(0, dtype=torch.long) if _empty(row) else row,
-                cfg,
-                f"continuations[{i}]",
-                past=past,
-                rank=1,
-            )
-            for i, row in enumerate(continuations)
-        ]
-    else:
-        raise TypeError(
-            f"continuations must be a list of 1-D token tensors or lists, or an [n, "
-            f"new_tokens] tensor; got {type(continuations).__name__}"
-        )
-    if not rows:
-        raise ValueError("continuations is empty; pass at least one continuation")
-    return rows
-
-
-def _empty(row: Any) -> bool:
-    return isinstance(row, list | tuple) and len(row) == 0
-
-
-def bytes_per_row(model: Any, prefix_length: int, new_tokens: int) -> int:
-    """An estimate of the peak memory one continuation row needs in a forward pass."""
-    cfg = model.cfg
-    dims = CacheDimensions.of(cfg)
-    item = torch.empty((), dtype=dims.dtype).element_size()
-    total = prefix_length + new_tokens
-    keys_values = 4 * total * cfg.n_heads * cfg.d_head * item
-    scores = 3 * cfg.n_heads * new_tokens * total * 4
-    hidden = 3 * new_tokens * max(cfg.d_model, cfg.d_mlp or 0) * 4
-    logits = 2 * new_tokens * cfg.d_vocab_out * 4
-    return keys_values + scores + hidden + logits
-
-
-def _batches(
-    count: int, per_row: int, batch_size: int | None, memory_budget: int | None
-) -> list[range]:
-    size = batch_size
-    if size is None:
-        budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
-        size = max(1, budget // max(per_row, 1))
-    return [range(start, min(start + size, count)) for start in range(0, count, size)]
-
-
-def _progress(items: list[range], progress: bool | None, what: str) -> Any:
-    show = len(items) >= _AUTO_PROGRESS_BATCHES if progress is None else progress
-    if not show:
-        return items
-    from tqdm.auto import tqdm
-
-    return tqdm(items, desc=what, unit="batch")
 
 
 def check_prefix(model: Any, prefix: Prefix, what: str) -> Any:
@@ -423,91 +310,3 @@ def check_prefix(model: Any, prefix: Prefix, what: str) -> Any:
             "prefill(model, tokens) with the model you continue it with"
         ) from None
     return cfg
-
-
-def score_continuations(
-    model: Any,
-    prefix: Prefix,
-    continuations: Sequence[Int[torch.Tensor, " new_tokens"] | list[int]]
-    | Int[torch.Tensor, "n new_tokens"],
-    batch_size: int | None = None,
-    memory_budget: int | None = None,
-    progress: bool | None = None,
-) -> ContinuationScores:
-    """Log-probabilities of each token of many continuations of one prefix.
-
-    The first continuation token is scored from the prefix's last logits, later tokens
-    from the continuation's own positions; the numbers equal an uncached run of
-    prefix + continuation. Continuations run in batches that read the shared, frozen
-    prefix (never copied into storage, never changed); ragged ones are right-padded.
-
-    **Arguments:**
-
-    - `model`: the `HookedTransformer` the prefix was run through.
-    - `prefix`: a batch-1 [`Prefix`][safelens.Prefix] (`prefix.select(row)` for a row of
-      a batch), possibly ablated ([`ablate_read`][safelens.ablate_read]).
-    - `continuations`: a list of 1-D token tensors or lists (ragged lengths allowed), or
-      an `[n, new_tokens]` tensor.
-    - `batch_size`: at most this many continuations per forward pass.
-    - `memory_budget`: bytes one forward pass may use (an estimate; default 1 GiB), used
-      when `batch_size` is not given.
-    - `progress`: show a tqdm bar; `None` shows one when there are 8 batches or more.
-
-    **Returns:** [`ContinuationScores`][safelens.ContinuationScores], in the order given.
-
-    **Raises:** [`TokenError`][safelens.TokenError] for continuations that are not
-    integer ids in `[0, d_vocab)`, or that run past `n_ctx` after the prefix;
-    [`CacheConfigError`][safelens.CacheConfigError] for a prefix made by another model;
-    [`CacheShapeError`][safelens.CacheShapeError] or
-    [`FrozenCacheError`][safelens.FrozenCacheError] for a prefix of several rows, whose
-    parts disagree or whose cache is not frozen; `TypeError` / `ValueError` for sizes
-    or flags of the wrong type or range. Nothing runs before these checks pass.
-
-    ```python
-    >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
-    >>> model = HookedTransformer(HookedTransformerConfig(n_layers=2, d_model=16, n_ctx=32, d_head=8, d_vocab=20, act_fn="gelu"))
-    >>> prefix = prefill(model, torch.tensor([[1, 2, 3, 4]]))
-    >>> scores = score_continuations(model, prefix, [[5, 6, 7], [8]])
-    >>> scores.log_probs.shape, scores.sums.shape, [len(s) for s in scores.per_continuation()]
-    (torch.Size([2, 3]), torch.Size([2]), [3, 1])
-
-    ```
-    """
-    cfg = check_prefix(model, prefix, "score_continuations")
-    if prefix.batch_size != 1:
-        raise CacheShapeError(
-            f"score_continuations needs a batch-1 prefix, got batch {prefix.batch_size}; use "
-            "prefix.select(row) to pick one row of a batch of prefixes"
-        )
-    rows = _continuation_rows(continuations, cfg, prefix.length)
-    positive_int(batch_size, "batch_size", optional=True)
-    positive_int(memory_budget, "memory_budget", optional=True, unit=" (bytes)")
-    flag(progress, "progress", optional=True)
-    lengths = torch.tensor([len(r) for r in rows])
-    longest = int(lengths.max())
-    order = torch.argsort(lengths, descending=True, stable=True).tolist()
-    per_row = bytes_per_row(model, prefix.length, longest)
-    device = prefix.tokens.device
-    log_probs = torch.zeros(len(rows), longest, dtype=torch.float32, device=device)
-    first = torch.log_softmax(prefix.last_logits[0].float(), dim=-1)
-    batches = _batches(len(rows), per_row, batch_size, memory_budget)
-    for batch in _progress(batches, progress, "continuations"):
-        picked = [order[i] for i in batch]
-        width = int(lengths[picked[0]])
-        tokens = torch.zeros(len(picked), width, dtype=torch.long, device=device)
-        mask = torch.zeros_like(tokens)
-        for j, index in enumerate(picked):
-            tokens[j, : lengths[index]] = rows[index]
-            mask[j, : lengths[index]] = 1
-        cache = prefix.cache.expand(len(picked))
-        cache.freeze()
-        with torch.no_grad(), shared_prefix_attention(model):
-            logits = model(tokens, attention_mask=mask, past_kv_cache=cache)
-        scores = torch.empty(len(picked), width, dtype=torch.float32, device=device)
-        scores[:, 0] = first[tokens[:, 0]]
-        if width > 1:
-            later = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-            scores[:, 1:] = later.gather(-1, tokens[:, 1:, None])[..., 0]
-        log_probs[picked, :width] = scores * mask
-    keep = (torch.arange(longest)[None] < lengths[:, None]).to(device)
-    return ContinuationScores(log_probs, keep, log_probs.sum(dim=-1))

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 from transformer_lens import HookedTransformer
 
+from ._arguments import integer
 from ._cache import KeyValueCache
 from ._config import CacheDimensions, refuse_ungrouped
 from ._errors import CacheShapeError, HookError, TokenError
@@ -48,8 +49,7 @@ def _check_layers(model: HookedTransformer, cache: KeyValueCache, forward_args: 
     start, stop = forward_args.get("start_at_layer"), forward_args.get("stop_at_layer")
     n_layers = model.cfg.n_layers
     for name, value in (("start_at_layer", start), ("stop_at_layer", stop)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise TypeError(f"{name} must be an int or None, got {value!r}")
+        integer(value, name, optional=True, shown=repr)
     partial = start is not None or list(range(n_layers)[:stop]) != list(range(n_layers))
     if partial and not cache.frozen:
         which = "start_at_layer" if start is not None else "stop_at_layer"

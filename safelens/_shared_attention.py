@@ -46,8 +46,9 @@ from transformer_lens.components import Attention, GroupedQueryAttention
 from transformer_lens.utilities.activation_functions import softcap_enabled
 
 from ._cache_entry import KeyValueCacheEntry
+from ._thread_hooks import hooked_here
 
-__all__ = ["hooked_here", "shared_prefix_attention"]
+__all__ = ["shared_prefix_attention"]
 
 _POSITIONS = ("standard", "rotary", "shortformer")
 _NORMED_IN_FORWARD = ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
@@ -71,17 +72,6 @@ def supports(attn: Any) -> bool:
         and not cfg.use_dynamic_ntk_rope
         and cfg.n_devices == 1
     )
-
-
-def hooked_here(point: torch.nn.Module) -> bool:
-    """Whether `point` has a forward hook that acts on the calling thread's passes.
-
-    A hook with a `thread` attribute (a thread id) acts only on that thread's passes,
-    as the patching sweeps' own hooks do; any other hook acts on every thread's.
-    """
-    me = threading.get_ident()
-    hooks = tuple(point._forward_hooks.values())  # one step: other threads may add hooks
-    return any(getattr(hook, "thread", me) == me for hook in hooks)
 
 
 def _same_rows(mask: Int[torch.Tensor, "batch pos"]) -> bool:

@@ -193,7 +193,9 @@ class World:
         self.prompt = tokens(1, PREFIX)
         self.prefix = safelens.prefill(self.model, self.prompt)
         self.cache = KeyValueCache.init_cache(self.model.cfg)
-        self.model(self.prompt, past_kv_cache=self.cache, attention_mask=torch.ones_like(self.prompt))
+        self.model(
+            self.prompt, past_kv_cache=self.cache, attention_mask=torch.ones_like(self.prompt)
+        )
         self.clean_tokens = tokens(1, PREFIX, seed=3)
         _, self.clean = self.model.run_with_cache(self.clean_tokens)
         self.weights = [p.detach().clone() for p in self.model.parameters()]
@@ -218,7 +220,11 @@ class World:
             (name, len(m._forward_hooks), len(m._forward_pre_hooks), "forward" in m.__dict__)
             for name, m in model.named_modules()
         ]
-        cache_points = [len(p.fwd_hooks) for c in (self.prefix.cache, self.cache) for p in c.hook_points().values()]
+        cache_points = [
+            len(p.fwd_hooks)
+            for c in (self.prefix.cache, self.cache)
+            for p in c.hook_points().values()
+        ]
         return points + modules + cache_points
 
     def unchanged(self, state: list[Any], hooks: list[Any]) -> None:
@@ -330,7 +336,10 @@ def test_run_with_hooks(world: World, input_arg: Arg, stop_at_layer: Arg) -> Non
     attempt(
         world,
         lambda: safelens.run_with_hooks(
-            world.model, input_arg.value, cache=world.cache.clone(), stop_at_layer=stop_at_layer.value
+            world.model,
+            input_arg.value,
+            cache=world.cache.clone(),
+            stop_at_layer=stop_at_layer.value,
         ),
         args,
     )
@@ -348,11 +357,21 @@ def test_run_with_hooks(world: World, input_arg: Arg, stop_at_layer: Arg) -> Non
 def test_ablations(
     world: World, kind: Arg, layers: Arg, heads: Arg, positions: Arg, target: Arg, write: bool
 ) -> None:
-    args = {"kind": kind, "layers": layers, "heads": heads, "positions": positions, "target": target}
+    args = {
+        "kind": kind,
+        "layers": layers,
+        "heads": heads,
+        "positions": positions,
+        "target": target,
+    }
 
     def call() -> Any:
         ablation = Ablation(
-            kind.value, layers.value, heads=heads.value, positions=positions.value, target=target.value
+            kind.value,
+            layers.value,
+            heads=heads.value,
+            positions=positions.value,
+            target=target.value,
         )
         if write:
             return safelens.ablate_write(world.model, world.prefix, ablation)
@@ -411,7 +430,13 @@ def test_patching_metric_that_returns_nonsense(world: World, metric, label: str)
 
 
 @hostile
-@given(rows=pick(ROWS), n=pick(COUNTS), length=pick([_valid("3", 3), _valid("-1", -1), _bad("9", 9), _bad("2.0", 2.0), _bad("True", True)]))
+@given(
+    rows=pick(ROWS),
+    n=pick(COUNTS),
+    length=pick(
+        [_valid("3", 3), _valid("-1", -1), _bad("9", 9), _bad("2.0", 2.0), _bad("True", True)]
+    ),
+)
 def test_branching(world: World, rows: Arg, n: Arg, length: Arg) -> None:
     cache = world.prefix.cache
     attempt(world, lambda: cache.select(rows.value), {"rows": rows})
@@ -420,7 +445,9 @@ def test_branching(world: World, rows: Arg, n: Arg, length: Arg) -> None:
         assert expanded.batch_size == n.value
     cropped = attempt(world, lambda: cache.crop(length.value), {"length": length})
     if cropped is not None:
-        assert cropped.sequence_length == (length.value if length.value >= 0 else PREFIX + length.value)
+        assert cropped.sequence_length == (
+            length.value if length.value >= 0 else PREFIX + length.value
+        )
 
 
 @hostile
@@ -432,13 +459,21 @@ def test_branching(world: World, rows: Arg, n: Arg, length: Arg) -> None:
     dim=st.sampled_from([1, -3, 0, 2, 3, -1]),
     dtype=st.sampled_from([torch.float32, torch.float16, torch.int64, torch.bool]),
 )
-def test_append(world: World, batch: int, pos: int, heads: int, d_head: int, dim: int, dtype) -> None:
+def test_append(
+    world: World, batch: int, pos: int, heads: int, d_head: int, dim: int, dtype
+) -> None:
     n_kv = world.model.cfg.n_heads
     valid = (batch, heads, d_head) == (1, n_kv, 16) and dim in (1, -3) and dtype.is_floating_point
-    new = Arg(f"[{batch}, {pos}, {heads}, {d_head}] {dtype}", torch.ones(batch, pos, heads, d_head, dtype=dtype), valid)
+    new = Arg(
+        f"[{batch}, {pos}, {heads}, {d_head}] {dtype}",
+        torch.ones(batch, pos, heads, d_head, dtype=dtype),
+        valid,
+    )
     args = {"keys": new, "dim": _valid(str(dim), dim)}
     with world.prefix.cache.frozen():
-        full = attempt(world, lambda: world.prefix.cache.append(0, new.value, new.value, dim=dim), args)
+        full = attempt(
+            world, lambda: world.prefix.cache.append(0, new.value, new.value, dim=dim), args
+        )
     if full is not None:
         assert full[0].shape == (1, PREFIX + pos, n_kv, 16)
 

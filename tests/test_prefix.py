@@ -511,3 +511,40 @@ def test_batch_of_prefixes_needs_select() -> None:
         score_continuations(model, prefix, [[1]])
     with pytest.raises(TypeError, match="needs a Prefix"):
         score_continuations(model, prefix.cache, [[1]])  # type: ignore[arg-type]
+
+
+def test_prefill_keeps_only_its_own_threads_residuals() -> None:
+    import threading
+
+    from transformer_lens import HookedTransformer
+
+    model = HookedTransformer(make_model().cfg)  # a model of its own: hooks are added here
+    prompt, other = tokens(1, 6, seed=21), tokens(2, 4, seed=22)
+    paused, resume = threading.Event(), threading.Event()
+    prefill_thread: list[int] = []
+
+    def pause(tensor, hook):
+        if threading.get_ident() in prefill_thread:
+            paused.set()
+            resume.wait(timeout=30)
+
+    model.add_hook("blocks.1.hook_resid_pre", pause)
+    result: list[Prefix] = []
+
+    def run() -> None:
+        prefill_thread.append(threading.get_ident())
+        result.append(prefill(model, prompt))
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    try:
+        assert paused.wait(timeout=30)
+        model(other)  # another thread's forward while prefill is inside its pass
+    finally:
+        resume.set()
+        worker.join()
+    model.reset_hooks()
+    _, reference = model.run_with_cache(prompt)
+    assert result[0].residuals is not None
+    for layer, resid in enumerate(result[0].residuals):
+        assert torch.equal(resid, reference[f"blocks.{layer}.hook_resid_pre"])

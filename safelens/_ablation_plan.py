@@ -1,0 +1,348 @@
+"""What an ablation edits, checked and resolved against a prefix: `Ablation`.
+
+An [`Ablation`][safelens.Ablation] names what to edit (layers, KV heads, positions of
+the prefix, keys and/or values) and how: `"zero"`, `"mean"` (over a reference set of
+caches), `"resample"` (from another prompt's cache) or `"function"` (a function of the
+selected slice). Its indices and references are checked when it is made. `_plan`
+resolves a list of ablations against one prefix into `_Edit`s: index tensors in range
+of the prefix, and, for `"mean"` and `"resample"`, the reference slices each edited
+layer takes, every reference checked to fit the prefix. The read-time and write-time
+ablations (`safelens._ablation`) apply those edits; nothing is edited before every
+ablation of a call has been resolved.
+
+Positions index the prefix's cache axis, left padding included. Heads index the
+cache's heads axis: KV heads under grouped-query attention (an edit of KV head `h`
+reaches every query head reading it), all `n_heads` with TransformerLens'
+`ungroup_grouped_query_attention=True`.
+
+Caveat: a `"mean"` weights every reference row by its attention mask at each position,
+so a position that is padding in every reference row has no mean and is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+import torch
+from jaxtyping import Int
+
+from ._arguments import as_index
+from ._cache import KeyValueCache
+from ._errors import CacheShapeError
+from ._prefix import Prefix
+
+__all__ = ["Ablation"]
+
+AblationKind = Literal["zero", "mean", "resample", "function"]
+AblationTarget = Literal["keys", "values", "both"]
+Indices = int | Sequence[int] | None
+_KINDS = ("zero", "mean", "resample", "function")
+_TARGETS = ("keys", "values", "both")
+
+
+def _index_spec(value: Any, what: str) -> int | tuple[int, ...] | None:
+    """`value` checked and normalised: `None`, an int, or a tuple of distinct ints."""
+    if value is None:
+        return None
+    single = as_index(value)
+    if single is not None:
+        return single
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"{what} must be an int, a sequence of ints or None, got {type(value).__name__} "
+            f"{value!r}"
+        )
+    items = list(value)
+    if not items:
+        raise ValueError(f"{what} is empty, so the ablation would edit nothing; pass None for all")
+    picked = [as_index(item) for item in items]
+    for i, (item, index) in enumerate(zip(items, picked, strict=True)):
+        if index is None:
+            raise TypeError(
+                f"{what} must hold ints, got {item!r} ({type(item).__name__}) at index {i}"
+            )
+    ints = tuple(index for index in picked if index is not None)
+    if len(set(ints)) != len(ints):
+        raise ValueError(f"{what} {list(ints)} lists an index more than once; list each once")
+    return ints
+
+
+def _resolve(spec: Indices, size: int, what: str, of: str) -> torch.Tensor:
+    """The indices `spec` selects among `size` (negative ones counted from the end)."""
+    if spec is None:
+        return torch.arange(size)
+    listed = [spec] if isinstance(spec, int) else list(spec)
+    bad = [i for i in listed if not -size <= i < size]
+    if bad:
+        raise IndexError(f"{what} {bad} out of range for {of}: each must be in [{-size}, {size})")
+    normalised = [i % size for i in listed]
+    if len(set(normalised)) != len(normalised):
+        raise ValueError(f"{what} {listed} name one index twice (as i and i - {size})")
+    return torch.tensor(normalised)
+
+
+def _reference_list(ablation: Ablation) -> tuple[Any, ...]:
+    """The reference caches/prefixes of a mean/resample ablation, checked for type."""
+    given = ablation.reference
+    refs = tuple(given) if isinstance(given, list | tuple) else (given,)
+    if not refs:
+        raise ValueError(f'kind="{ablation.kind}" needs at least one reference; got an empty list')
+    if ablation.kind == "resample" and len(refs) != 1:
+        raise ValueError(f'kind="resample" takes one reference cache or prefix, got {len(refs)}')
+    for i, ref in enumerate(refs):
+        if not isinstance(ref, KeyValueCache | Prefix):
+            raise TypeError(
+                f"reference[{i}] must be a KeyValueCache or a Prefix, got {type(ref).__name__}"
+            )
+    return refs
+
+
+@dataclass(frozen=True)
+class Ablation:
+    """What to ablate in a prefix's keys/values, and with what.
+
+    **Arguments:**
+
+    - `kind`: `"zero"`, `"mean"`, `"resample"` or `"function"`.
+    - `layers`: a layer or layers to edit; `None` for all.
+    - `heads`: heads of the cache to edit (KV heads); `None` for all.
+    - `positions`: prefix positions to edit (cache axis, padding included); `None` for all.
+    - `target`: `"keys"`, `"values"` or `"both"`.
+    - `reference`: for `"mean"`, the caches (or prefixes) to average over, every row
+      weighted by its attention mask at each position; for `"resample"`, the cache (or
+      prefix) to copy from, batch 1 or the prefix's batch. Either must come from the same
+      model (layers, KV heads, `d_head`) and cover the edited positions.
+    - `fn`: for `"function"`, called as `fn(slice, layer, target)` with the selected
+      `[batch, positions, heads, d_head]` slice (`target` is `"keys"` or `"values"`),
+      returning a finite floating tensor of that shape.
+
+    Indices are ints (negative ones count from the end), each listed once; bools,
+    floats, strings and empty lists are refused. Lists are kept as tuples.
+
+    **Raises:** `ValueError` for an unknown kind or target, a missing or superfluous
+    `reference=`/`fn=`, or an empty or repeating index list; `TypeError` for indices
+    that are not ints or references that are not caches or prefixes.
+
+    ```python
+    >>> Ablation("zero", layers=1, heads=[0], positions=[2, 3]).positions
+    (2, 3)
+
+    ```
+    """
+
+    kind: AblationKind
+    layers: Indices
+    heads: Indices = None
+    positions: Indices = None
+    target: AblationTarget = "both"
+    reference: Any = None
+    fn: Callable[[torch.Tensor, int, str], torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"kind must be one of {_KINDS}, got {self.kind!r}")
+        if self.target not in _TARGETS:
+            raise ValueError(f"target must be one of {_TARGETS}, got {self.target!r}")
+        for name in ("layers", "heads", "positions"):
+            object.__setattr__(self, name, _index_spec(getattr(self, name), name))
+        uses_reference = self.kind in ("mean", "resample")
+        if uses_reference and self.reference is None:
+            raise ValueError(f'kind="{self.kind}" needs reference= (a cache or prefix)')
+        if not uses_reference and self.reference is not None:
+            raise ValueError(f'reference= is used by kind="mean" or "resample", not "{self.kind}"')
+        if uses_reference:
+            _reference_list(self)
+        if self.kind == "function" and not callable(self.fn):
+            raise ValueError('kind="function" needs fn=, called as fn(slice, layer, target)')
+        if self.kind != "function" and self.fn is not None:
+            raise ValueError(f'fn= is used by kind="function", not "{self.kind}"')
+
+    def layer_list(self, n_layers: int) -> list[int]:
+        """The edited layers of a model of `n_layers` layers, sorted."""
+        return sorted(_resolve(self.layers, n_layers, "layers", f"{n_layers} layers").tolist())
+
+    def targets(self) -> tuple[str, ...]:
+        """`("keys",)`, `("values",)` or both."""
+        return ("keys", "values") if self.target == "both" else (self.target,)
+
+
+class _Shape(NamedTuple):
+    layers: int
+    batch: int
+    length: int
+    heads: int
+    d_head: int
+
+
+def _shape_of(cache: Any, what: str) -> _Shape:
+    """The sizes of a cache of `[batch, pos, heads, d_head]` tensors, read without changing it."""
+    if not isinstance(cache, KeyValueCache):
+        raise TypeError(f"{what} must be a KeyValueCache, got {type(cache).__name__}")
+    entries = cache.entries
+    if not entries:
+        raise CacheShapeError(
+            f"{what} holds no layers (an empty KeyValueCache()); pass a prefix from "
+            "prefill(model, tokens) or a cache a forward pass filled"
+        )
+    shapes = set()
+    for entry in entries:
+        for name in ("keys", "values"):
+            tensor = getattr(entry, name)
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
+                raise CacheShapeError(
+                    f"{what} layer {entry.layer} {name} must be a [batch, pos, n_kv_heads, "
+                    f"d_head] tensor, got {type(tensor).__name__} of shape "
+                    f"{getattr(tensor, 'shape', None)}"
+                )
+            shapes.add(tuple(tensor.shape))
+    if len(shapes) != 1:
+        raise CacheShapeError(
+            f"{what} holds keys/values of several shapes {sorted(shapes)}; every layer must "
+            "be one [batch, pos, n_kv_heads, d_head] shape"
+        )
+    return _Shape(len(entries), *shapes.pop())
+
+
+class _Edit(NamedTuple):
+    """One ablation resolved against a prefix: indices and reference slices, checked."""
+
+    ablation: Ablation
+    layers: list[int]
+    heads: Int[torch.Tensor, " heads"]
+    positions: Int[torch.Tensor, " positions"]
+    sources: dict[tuple[int, str], torch.Tensor]
+
+    def apply(self, tensor: torch.Tensor, layer: int, target: str, start: int) -> torch.Tensor:
+        """`tensor` (holding positions `start…`) with this edit, as a new tensor."""
+        rows, cols = (self.positions - start)[:, None], self.heads[None, :]
+        selected = tensor[:, rows, cols]
+        if self.ablation.kind == "zero":
+            new = torch.zeros_like(selected)
+        elif self.ablation.kind == "function":
+            new = _checked(self.ablation.fn, selected, layer, target)
+        else:
+            new = self.sources[layer, target].to(selected)
+        out = tensor.clone()
+        out[:, rows, cols] = new.expand(selected.shape)
+        return out
+
+
+def _checked(fn: Any, selected: torch.Tensor, layer: int, target: str) -> torch.Tensor:
+    result = fn(selected, layer, target)
+    where = f"fn returned {{}} for layer {layer} {target}; expected"
+    if not isinstance(result, torch.Tensor) or result.shape != selected.shape:
+        got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
+        raise CacheShapeError(
+            f"{where.format(got)} shape {tuple(selected.shape)} [batch, positions, heads, "
+            "d_head], the slice it was given"
+        )
+    if not result.is_floating_point():
+        raise CacheShapeError(
+            f"{where.format(result.dtype)} a floating tensor like the slice ({selected.dtype})"
+        )
+    if not bool(torch.isfinite(result).all()):
+        bad = int((~torch.isfinite(result)).sum())
+        raise CacheShapeError(
+            f"{where.format(f'{bad} NaN or infinite values')} finite keys/values; a NaN "
+            "would reach every later position through attention"
+        )
+    return result.to(selected)
+
+
+def _fitted(ref: Any, what: str, kind: str, shape: _Shape, last: int) -> tuple[Any, Any]:
+    """`(cache, mask)` of one reference, or a `CacheShapeError` saying what does not fit."""
+    cache = ref.cache if isinstance(ref, Prefix) else ref
+    got = _shape_of(cache, what)
+    wrong = [
+        f"{name}: prefix has {want}, {what} {have}"
+        for name, want, have in [
+            ("layers", shape.layers, got.layers),
+            ("n_kv_heads", shape.heads, got.heads),
+            ("d_head", shape.d_head, got.d_head),
+        ]
+        if want != have
+    ]
+    if kind == "resample" and got.batch not in (1, shape.batch):
+        wrong.append(f"batch: prefix has {shape.batch}, {what} {got.batch} (expected 1 or that)")
+    if got.length <= last:
+        wrong.append(f"pos: the ablation edits position {last}, {what} has {got.length}")
+    if wrong:
+        raise CacheShapeError(
+            f"{what} does not fit the prefix: {'; '.join(wrong)}. A reference must come from "
+            "the same model, cover the edited positions (use reference prompts at least as "
+            "long) and, to resample, have batch 1 or the prefix's"
+        )
+    mask = ref.attention_mask if isinstance(ref, Prefix) else cache.previous_attention_mask
+    found = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+    if kind == "mean" and found != (got.batch, got.length):
+        raise CacheShapeError(
+            f"{what} needs an attention mask [batch={got.batch}, pos={got.length}] to weight "
+            f"its rows in a mean, got {found}; pass a prefix, or a cache built with "
+            "KeyValueCache(..., previous_attention_mask=)"
+        )
+    return cache, mask
+
+
+def _sources(
+    ablation: Ablation, shape: _Shape, layers: list[int], index: tuple[torch.Tensor, ...]
+) -> dict[tuple[int, str], torch.Tensor]:
+    """Each edited `(layer, target)`'s replacement slice from the references, checked."""
+    heads, positions = index
+    refs = _reference_list(ablation)
+    listed = isinstance(ablation.reference, list | tuple)
+    last = int(positions.max())
+    fitted = [
+        _fitted(ref, f"reference[{i}]" if listed else "reference", ablation.kind, shape, last)
+        for i, ref in enumerate(refs)
+    ]
+    weights: torch.Tensor | None = None
+    if ablation.kind == "mean":
+        device = fitted[0][0].entries[0].keys.device
+        weights = torch.cat([mask[:, positions].to(device, torch.float32) for _, mask in fitted])
+        empty = positions[(weights.sum(0) == 0).cpu()].tolist()
+        if empty:
+            raise CacheShapeError(
+                f"every reference row is padding (attention mask 0) at positions {empty}, so "
+                "the mean has nothing to average there; use references with real tokens there"
+            )
+    sources = {}
+    for layer in layers:
+        for target in ablation.targets():
+            picked = [
+                getattr(cache[layer], target)[:, positions[:, None], heads[None, :]]
+                for cache, _ in fitted
+            ]
+            if weights is None:
+                sources[layer, target] = picked[0]
+                continue
+            rows = torch.cat([p.to(weights.device, torch.float32) for p in picked])
+            mean = (rows * weights[:, :, None, None]).sum(0, keepdim=True)
+            sources[layer, target] = mean / weights.sum(0)[None, :, None, None]
+    return sources
+
+
+def _plan(prefix: Prefix, ablations: Ablation | Sequence[Ablation], what: str) -> list[_Edit]:
+    """Every ablation resolved against `prefix`, all checked before anything is edited."""
+    if not isinstance(prefix, Prefix):
+        raise TypeError(
+            f"{what} needs a Prefix (from safelens.prefill), got {type(prefix).__name__}"
+        )
+    items = [ablations] if isinstance(ablations, Ablation) else list(ablations)
+    if not items or not all(isinstance(a, Ablation) for a in items):
+        raise TypeError("ablations must be an Ablation or a non-empty list of Ablation objects")
+    prefix.check()
+    shape = _shape_of(prefix.cache, "prefix.cache")
+    edits = []
+    for ablation in items:
+        layers = ablation.layer_list(shape.layers)
+        heads = _resolve(ablation.heads, shape.heads, "heads", f"{shape.heads} KV heads")
+        positions = _resolve(
+            ablation.positions, shape.length, "positions", f"a prefix of {shape.length} positions"
+        )
+        sources = {}
+        if ablation.kind in ("mean", "resample"):
+            sources = _sources(ablation, shape, layers, (heads, positions))
+        edits.append(_Edit(ablation, layers, heads, positions, sources))
+    return edits

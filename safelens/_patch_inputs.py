@@ -1,0 +1,262 @@
+"""The checked inputs of a patching sweep: `_Sweep`, its limits, index grid and setter.
+
+A sweep function (`safelens._patching`) checks everything it is given before the first
+patched run: the limits (`max_batch`, `max_bytes`, `progress`), the model (a
+`HookedTransformer`, not shortformer), the corrupted tokens, that the activation fires
+inside every block of this model, and that `clean_cache` holds it in the corrupted
+run's shape (batch 1 or the corrupted batch). `_Sweep` holds what passed: the tokens on
+the model's device, the corrupted run (`safelens._patch_grid.CorruptedRun`) and each
+layer's clean activation. A generic sweep's index grid (`index_axis_names`, or
+`index_df` checked against the axis sizes) is checked here too, and so is each
+`patch_setter` result as it arrives. Every failure is a `PatchingError` naming the
+input (corrupted tokens that are not token ids: a `TokenError`).
+
+Caveat: making a `_Sweep` runs the corrupted forward pass (the activations a clean one
+must match come from it), so the checks that need no model run first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pandas as pd
+import torch
+from transformer_lens import ActivationCache, HookedTransformer
+from transformer_lens.utilities import get_act_name
+
+from ._arguments import flag, positive_int
+from ._errors import PatchingError
+from ._patch_grid import CorruptedRun, Metric, Patcher, Run, sweep
+from ._tokens import check_tokens
+
+__all__ = ["DEFAULT_MAX_BYTES"]
+
+DEFAULT_MAX_BYTES = 2**30
+
+
+class _Sweep:
+    """The checked inputs of one sweep."""
+
+    def __init__(
+        self,
+        model: HookedTransformer,
+        corrupted_tokens: torch.Tensor,
+        clean_cache: ActivationCache | dict[str, torch.Tensor],
+        activation_name: str,
+    ) -> None:
+        if not isinstance(model, HookedTransformer):
+            raise PatchingError(f"model must be a HookedTransformer, got {type(model).__name__}")
+        if model.cfg.positional_embedding_type == "shortformer":
+            raise PatchingError(
+                "shortformer positional embeddings are not supported by the cached sweeps; "
+                "use transformer_lens.patching for this model"
+            )
+        tokens = corrupted_tokens
+        if isinstance(tokens, torch.Tensor) and tokens.dim() == 1:
+            tokens = tokens[None]
+        tokens = check_tokens(tokens, model.cfg, "corrupted_tokens")
+        self.model = model
+        self.tokens = tokens.to(model.cfg.device)
+        self.batch, self.length = self.tokens.shape
+        self.activation_name = activation_name
+        names = [self.hook_name(layer) for layer in range(model.cfg.n_layers)]
+        self._check_hooks(names, lambda name: name in model.hook_dict)
+        self.corrupted = CorruptedRun.of(model, self.tokens, names)
+        self._check_hooks(names, lambda name: name in self.corrupted.activations)
+        self.clean = [self._clean(clean_cache, layer) for layer in range(model.cfg.n_layers)]
+
+    def _check_hooks(self, names: list[str], present: Callable[[str], bool]) -> None:
+        """A `PatchingError` unless `present(name)` holds for every hook in `names`."""
+        missing = [name for name in names if not present(name)]
+        if not missing:
+            return
+        cfg, name = self.model.cfg, missing[0]
+        where = f"model has no activation {name!r} (activation_name={self.activation_name!r})"
+        if cfg.attn_only and ("mlp" in name or "ln2" in name or "resid_mid" in name):
+            raise PatchingError(
+                f"{where}: the model is attention-only (cfg.attn_only=True) and has no MLP "
+                "layers, so there is nothing to patch there; patch attn_out, z or resid_pre "
+                "instead"
+            )
+        if cfg.parallel_attn_mlp and "resid_mid" in name:
+            raise PatchingError(
+                f"{where}: the model runs attention and MLP in parallel "
+                "(cfg.parallel_attn_mlp=True), so no residual stream lies between them; "
+                "patch attn_out or resid_pre instead"
+            )
+        if name in self.model.hook_dict:
+            raise PatchingError(
+                f"{where}: the hook point exists but this model's forward never fires it "
+                "(attn.hook_result, for one, needs cfg.use_attn_result=True)"
+            )
+        raise PatchingError(
+            f"{where}: activation_name must name an activation inside every block, as "
+            "transformer_lens.utilities.get_act_name(activation_name, layer) spells it (e.g. "
+            "'resid_pre', 'attn_out', 'z', 'k'); for the embeddings patch 'resid_pre' at "
+            "layer 0"
+        )
+
+    def expected(self, layer: int) -> torch.Size:
+        """The shape after `batch` of this activation in the corrupted run."""
+        return self.corrupted.activations[self.hook_name(layer)].shape[1:]
+
+    def hook_name(self, layer: int) -> str:
+        return get_act_name(self.activation_name, layer)
+
+    def _clean(self, clean_cache: Any, layer: int) -> torch.Tensor:
+        name = self.hook_name(layer)
+        try:
+            clean = clean_cache[name]
+        except KeyError:
+            raise PatchingError(
+                f"clean_cache has no activation {name!r}; run the clean prompt with "
+                "model.run_with_cache(clean_tokens) and pass that cache"
+            ) from None
+        if clean.shape[0] not in (1, self.batch) or clean.shape[1:] != self.expected(layer):
+            raise PatchingError(
+                f"clean_cache[{name!r}] has shape {tuple(clean.shape)}; expected [batch="
+                f"{self.batch} or 1, {', '.join(map(str, self.expected(layer)))}] to match "
+                f"corrupted_tokens {tuple(self.tokens.shape)}. Clean and corrupted prompts "
+                "must have the same length"
+            )
+        return clean.to(self.model.cfg.device).expand(self.batch, *clean.shape[1:])
+
+    def heads(self) -> int:
+        """Heads of a head index: what `hook_k`/`hook_v` hold for keys and values."""
+        if self.activation_name in ("k", "v"):
+            return int(self.expected(0)[1])
+        return int(self.model.cfg.n_heads)
+
+    def run(
+        self,
+        runs: list[Run],
+        shape: tuple[int, ...],
+        patcher: Patcher,
+        metric: Metric,
+        max_batch: int | None,
+        max_bytes: int,
+        progress: bool,
+        single_position: bool = False,
+    ) -> torch.Tensor:
+        out = torch.zeros(shape, device=self.model.cfg.device)
+        return sweep(
+            self.model,
+            self.corrupted,
+            runs,
+            self.hook_name,
+            patcher,
+            metric,
+            out,
+            max_batch,
+            max_bytes,
+            progress,
+            single_position,
+        )
+
+
+def _with_type(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _check_limits(max_batch: Any, max_bytes: Any, progress: Any) -> None:
+    """A `PatchingError` unless the sweep's limits are positive ints and `progress` a bool."""
+    for value, name, optional, unit in (
+        (max_batch, "max_batch", True, " (patched runs per forward pass)"),
+        (max_bytes, "max_bytes", False, ", a memory budget in bytes (default 2**30, 1 GiB)"),
+    ):
+        positive_int(
+            value,
+            name,
+            optional=optional,
+            unit=unit,
+            index_like=True,
+            error=PatchingError,
+            shown=_with_type,
+        )
+    flag(progress, "progress", error=PatchingError, shown=repr)
+
+
+def _check_index_choice(index_axis_names: Any, index_df: Any) -> None:
+    """A `PatchingError` unless exactly one is given, `index_df` as a DataFrame."""
+    if (index_df is None) == (index_axis_names is None):
+        raise PatchingError(
+            "pass exactly one of index_axis_names (a tuple such as ('layer', 'pos')) and "
+            f"index_df; got index_axis_names={index_axis_names!r} and "
+            f"index_df={'a DataFrame' if index_df is not None else None}"
+        )
+    if index_df is not None and not isinstance(index_df, pd.DataFrame):
+        raise PatchingError(
+            f"index_df must be a pandas DataFrame of indices, got {type(index_df).__name__}"
+        )
+
+
+def _index_grid(
+    sweep: _Sweep, index_axis_names: Sequence[str] | None, index_df: pd.DataFrame | None
+) -> tuple[pd.DataFrame, tuple[int, ...]]:
+    """The checked index rows of a generic sweep, and the shape of its result."""
+    sizes = {"layer": sweep.model.cfg.n_layers, "pos": sweep.length, "src_pos": sweep.length}
+    sizes |= {"dest_pos": sweep.length, "head_index": sweep.heads(), "head": sweep.heads()}
+    if index_df is not None:
+        _check_index_df(index_df, sizes)
+        return index_df, (len(index_df),)
+    assert index_axis_names is not None
+    unknown = [name for name in index_axis_names if name not in sizes]
+    if unknown:
+        raise PatchingError(f"index_axis_names {unknown} unknown; allowed: {sorted(sizes)}")
+    shape = tuple(sizes[name] for name in index_axis_names)
+    return pd.DataFrame(_grid(shape), columns=list(index_axis_names)), shape
+
+
+def _check_index_df(index_df: pd.DataFrame, sizes: dict[str, int]) -> None:
+    """A `PatchingError` unless every column holds integer indices within its axis."""
+    if not len(index_df.columns):
+        raise PatchingError("index_df has no columns; the first column must be the layer")
+    for number, column in enumerate(index_df.columns):
+        values = index_df[column]
+        if not pd.api.types.is_integer_dtype(values) or pd.api.types.is_bool_dtype(values):
+            raise PatchingError(
+                f"index_df column {column!r} holds {values.dtype}; expected integer indices "
+                "(index_df.astype(int) if they are whole numbers)"
+            )
+        name = "layer" if number == 0 else column
+        if name not in sizes or not len(values):
+            continue
+        size = sizes[name]
+        low = 0 if name == "layer" else -size
+        bad = values[(values < low) | (values >= size)]
+        if len(bad):
+            raise PatchingError(
+                f"index_df column {column!r} holds {int(bad.iloc[0])}; expected a {name} "
+                f"index in [{low}, {size}) for this model and corrupted_tokens"
+            )
+
+
+def _check_patched(
+    patched: Any, full: torch.Tensor, before: torch.Tensor, start: int, run: Run
+) -> None:
+    """A `PatchingError` unless `patched` fits `full` and keeps positions before `start`."""
+    if not isinstance(patched, torch.Tensor) or patched.shape != full.shape:
+        got = (
+            f"shape {tuple(patched.shape)}"
+            if isinstance(patched, torch.Tensor)
+            else type(patched).__name__
+        )
+        raise PatchingError(
+            f"patch_setter returned {got} for index {list(run.index)}; expected the "
+            f"activation it was given, shape {tuple(full.shape)} (or None after editing "
+            "it in place)"
+        )
+    if start and not torch.equal(patched[:, :start], before[:, :start]):
+        raise PatchingError(
+            f"patch_setter changed positions before {start} for index {list(run.index)}, "
+            f"whose pos is {run.pos}; the cached sweep reuses the corrupted run's positions "
+            "before each index's pos. Give each row the first position its patch changes "
+            "as pos, or leave pos out of the index columns"
+        )
+
+
+def _grid(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every index of `shape` in row-major order (the last axis fastest)."""
+    grid = torch.cartesian_prod(*(torch.arange(n) for n in shape)).reshape(-1, len(shape))
+    return [tuple(row) for row in grid.tolist()]

@@ -1,0 +1,324 @@
+"""The `*_every` bundles: several sweeps stacked, as TransformerLens' `patching` stacks them.
+
+Each bundle runs the safelens sweeps its TransformerLens namesake runs, in the same
+order, and stacks their results along a new first axis, `patch_type`:
+
+| bundle | `patch_type` rows | shape |
+| --- | --- | --- |
+| `get_act_patch_block_every` | resid_pre, attn_out, mlp_out | `[3, layer, pos]` |
+| `get_act_patch_attn_head_all_pos_every` | z, q, k, v, pattern | `[5, layer, n_heads]` |
+| `get_act_patch_attn_head_by_pos_every` | z, q, k, v, pattern | `[5, layer, pos, n_heads]` |
+
+Caveat, grouped-query models: keys and values have `n_kv_heads` heads while z, q and
+the pattern have `n_heads`. As in TransformerLens (3.9 and 4.x), the k and v rows hold
+the key/value-head results in heads `0 … n_kv_heads - 1` and zeros after them: the
+zeros are padding, not measurements, and head index `g` of those rows is key/value
+head `g` (which serves query heads `g * r … (g + 1) * r - 1`, `r = n_heads //
+n_kv_heads`), not query head `g`. With `cfg.ungroup_grouped_query_attention=True` the k
+and v sweeps already index `n_heads` heads and nothing is padded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from transformer_lens import ActivationCache, HookedTransformer
+from transformer_lens.utilities import get_act_name
+
+from ._errors import PatchingError
+from ._patching import (
+    DEFAULT_MAX_BYTES,
+    Metric,
+    get_act_patch_attn_head_k_all_pos,
+    get_act_patch_attn_head_k_by_pos,
+    get_act_patch_attn_head_out_all_pos,
+    get_act_patch_attn_head_out_by_pos,
+    get_act_patch_attn_head_q_all_pos,
+    get_act_patch_attn_head_q_by_pos,
+    get_act_patch_attn_head_v_all_pos,
+    get_act_patch_attn_head_v_by_pos,
+    get_act_patch_attn_out,
+    get_act_patch_mlp_out,
+    get_act_patch_resid_pre,
+)
+from ._patching_patterns import (
+    get_act_patch_attn_head_pattern_all_pos,
+    get_act_patch_attn_head_pattern_by_pos,
+)
+
+__all__ = [
+    "get_act_patch_attn_head_all_pos_every",
+    "get_act_patch_attn_head_by_pos_every",
+    "get_act_patch_block_every",
+]
+
+Sweep = Callable[..., torch.Tensor]
+
+
+def _check_clean_cache(
+    model: Any, clean_cache: Any, activations: Sequence[str], bundle: str
+) -> None:
+    """A `PatchingError` before any sweep runs if `clean_cache` lacks what one patches.
+
+    Other inputs (model, tokens, shapes, limits) are checked by the first sweep, before
+    it runs anything.
+    """
+    if not isinstance(model, HookedTransformer):
+        return
+    for activation in activations:
+        for layer in range(model.cfg.n_layers):
+            name = get_act_name(activation, layer)
+            try:
+                clean_cache[name]
+            except KeyError:
+                fix = (
+                    "the model is attention-only (cfg.attn_only=True) and has no MLP output; "
+                    "call get_act_patch_resid_pre and get_act_patch_attn_out instead"
+                    if model.cfg.attn_only and "mlp" in name
+                    else "run the clean prompt with model.run_with_cache(clean_tokens), "
+                    "without a names_filter, and pass that cache"
+                )
+                raise PatchingError(
+                    f"clean_cache has no activation {name!r}, which {bundle} patches (it "
+                    f"stacks sweeps of {', '.join(activations)}); {fix}"
+                ) from None
+
+
+def _stack(
+    sweeps: Sequence[tuple[Sweep, str]],
+    bundle: str,
+    model: HookedTransformer,
+    corrupted_tokens: torch.Tensor,
+    clean_cache: ActivationCache,
+    metric: Metric,
+    max_batch: int | None,
+    max_bytes: int,
+    progress: bool,
+) -> torch.Tensor:
+    """Every sweep's result, its last axis zero-padded to the first's, stacked on axis 0."""
+    _check_clean_cache(model, clean_cache, [name for _, name in sweeps], bundle)
+    results: list[torch.Tensor] = []
+    for sweep, _ in sweeps:
+        result = sweep(
+            model,
+            corrupted_tokens,
+            clean_cache,
+            metric,
+            max_batch=max_batch,
+            max_bytes=max_bytes,
+            progress=progress,
+        )
+        if results:
+            result = torch.nn.functional.pad(result, (0, results[0].shape[-1] - result.shape[-1]))
+        results.append(result)
+    return torch.stack(results)
+
+
+def _pattern_by_dest_pos(*args: Any, **kwargs: Any) -> Float[torch.Tensor, "layer pos n_heads"]:
+    """`get_act_patch_attn_head_pattern_by_pos` with its head and position axes swapped."""
+    return get_act_patch_attn_head_pattern_by_pos(*args, **kwargs).transpose(-1, -2)
+
+
+def get_act_patch_block_every(
+    model: HookedTransformer,
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    clean_cache: ActivationCache,
+    metric: Metric,
+    *,
+    max_batch: int | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    progress: bool = True,
+) -> Float[torch.Tensor, "patch_type layer pos"]:
+    """Patch the residual stream, attention output and MLP output of every block and position.
+
+    TransformerLens' `patching.get_act_patch_block_every`: the results of
+    [`get_act_patch_resid_pre`][safelens.get_act_patch_resid_pre],
+    [`get_act_patch_attn_out`][safelens.get_act_patch_attn_out] and
+    [`get_act_patch_mlp_out`][safelens.get_act_patch_mlp_out], stacked in that order.
+
+    **Arguments:**
+
+    - `model`: a `HookedTransformer` with MLP layers (not `cfg.attn_only`).
+    - `corrupted_tokens`: `[batch, pos]` tokens of the corrupted run.
+    - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`), same
+      `pos`.
+    - `metric`: logits `[runs * batch, pos, d_vocab]` to `[runs]` (fast), or
+      TransformerLens-style logits of one run to a scalar. (TransformerLens names this
+      argument `metric` in its bundles, `patching_metric` in its sweeps.)
+    - `max_batch`, `max_bytes`, `progress`: as in each sweep (one progress bar per sweep).
+
+    **Returns:** float32 `[patch_type=3, layer, pos]` on the model's device; `patch_type`
+    0 is resid_pre, 1 attn_out, 2 mlp_out.
+
+    **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
+    token ids of this model; [`PatchingError`][safelens.PatchingError] for an
+    attention-only model or a clean cache missing an activation (before any sweep runs),
+    a clean cache of another length, a model, metric result or limit that does not fit,
+    naming it.
+
+    ```python
+    >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
+    >>> cfg = HookedTransformerConfig(n_layers=2, d_model=16, n_ctx=8, d_head=4, n_heads=4, d_vocab=11, act_fn="gelu")
+    >>> model = HookedTransformer(cfg)
+    >>> _, clean_cache = model.run_with_cache(torch.tensor([[1, 2, 3]]))
+    >>> metric = lambda logits: logits[:, -1, 0] - logits[:, -1, 1]
+    >>> get_act_patch_block_every(model, torch.tensor([[1, 5, 3]]), clean_cache, metric, progress=False).shape
+    torch.Size([3, 2, 3])
+
+    ```
+    """
+    sweeps = [
+        (get_act_patch_resid_pre, "resid_pre"),
+        (get_act_patch_attn_out, "attn_out"),
+        (get_act_patch_mlp_out, "mlp_out"),
+    ]
+    return _stack(
+        sweeps,
+        "get_act_patch_block_every",
+        model,
+        corrupted_tokens,
+        clean_cache,
+        metric,
+        max_batch,
+        max_bytes,
+        progress,
+    )
+
+
+def get_act_patch_attn_head_all_pos_every(
+    model: HookedTransformer,
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    clean_cache: ActivationCache,
+    metric: Metric,
+    *,
+    max_batch: int | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    progress: bool = True,
+) -> Float[torch.Tensor, "patch_type layer n_heads"]:
+    """Patch every head's output, queries, keys, values and pattern at all positions at once.
+
+    TransformerLens' `patching.get_act_patch_attn_head_all_pos_every`: the `*_all_pos`
+    sweeps of z ([`get_act_patch_attn_head_out_all_pos`][safelens.get_act_patch_attn_head_out_all_pos]),
+    q, k, v and the attention pattern, stacked in that order.
+
+    **Arguments:**
+
+    - `model`: a `HookedTransformer`.
+    - `corrupted_tokens`: `[batch, pos]` tokens of the corrupted run.
+    - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`), same
+      `pos`.
+    - `metric`: logits `[runs * batch, pos, d_vocab]` to `[runs]` (fast), or
+      TransformerLens-style logits of one run to a scalar.
+    - `max_batch`, `max_bytes`, `progress`: as in each sweep (one progress bar per sweep).
+
+    **Returns:** float32 `[patch_type=5, layer, n_heads]` on the model's device;
+    `patch_type` 0 is z, 1 q, 2 k, 3 v, 4 pattern. On a grouped-query model the k and v
+    rows hold `n_kv_heads` results, then zeros up to `n_heads` (TransformerLens'
+    padding; see the module notes).
+
+    **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
+    token ids of this model; [`PatchingError`][safelens.PatchingError] for a clean cache
+    missing an activation (before any sweep runs), a clean cache of another length, a
+    model, metric result or limit that does not fit, naming it.
+
+    ```python
+    >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
+    >>> cfg = HookedTransformerConfig(n_layers=2, d_model=16, n_ctx=8, d_head=4, n_heads=4, d_vocab=11, act_fn="gelu")
+    >>> model = HookedTransformer(cfg)
+    >>> _, clean_cache = model.run_with_cache(torch.tensor([[1, 2, 3]]))
+    >>> metric = lambda logits: logits[:, -1, 0] - logits[:, -1, 1]
+    >>> get_act_patch_attn_head_all_pos_every(model, torch.tensor([[1, 5, 3]]), clean_cache, metric, progress=False).shape
+    torch.Size([5, 2, 4])
+
+    ```
+    """
+    sweeps = [
+        (get_act_patch_attn_head_out_all_pos, "z"),
+        (get_act_patch_attn_head_q_all_pos, "q"),
+        (get_act_patch_attn_head_k_all_pos, "k"),
+        (get_act_patch_attn_head_v_all_pos, "v"),
+        (get_act_patch_attn_head_pattern_all_pos, "pattern"),
+    ]
+    return _stack(
+        sweeps,
+        "get_act_patch_attn_head_all_pos_every",
+        model,
+        corrupted_tokens,
+        clean_cache,
+        metric,
+        max_batch,
+        max_bytes,
+        progress,
+    )
+
+
+def get_act_patch_attn_head_by_pos_every(
+    model: HookedTransformer,
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    clean_cache: ActivationCache,
+    metric: Metric,
+    *,
+    max_batch: int | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    progress: bool = True,
+) -> Float[torch.Tensor, "patch_type layer pos n_heads"]:
+    """Patch every head's output, queries, keys, values and pattern at each position.
+
+    TransformerLens' `patching.get_act_patch_attn_head_by_pos_every`: the `*_by_pos`
+    sweeps of z ([`get_act_patch_attn_head_out_by_pos`][safelens.get_act_patch_attn_head_out_by_pos]),
+    q, k and v, and [`get_act_patch_attn_head_pattern_by_pos`][safelens.get_act_patch_attn_head_pattern_by_pos]
+    with its `[layer, n_heads, dest_pos]` turned to `[layer, dest_pos, n_heads]`, stacked
+    in that order.
+
+    **Arguments:**
+
+    - `model`: a `HookedTransformer`.
+    - `corrupted_tokens`: `[batch, pos]` tokens of the corrupted run.
+    - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`), same
+      `pos`.
+    - `metric`: logits `[runs * batch, pos, d_vocab]` to `[runs]` (fast), or
+      TransformerLens-style logits of one run to a scalar.
+    - `max_batch`, `max_bytes`, `progress`: as in each sweep (one progress bar per sweep).
+
+    **Returns:** float32 `[patch_type=5, layer, pos, n_heads]` on the model's device;
+    `patch_type` 0 is z, 1 q, 2 k, 3 v, 4 pattern (by destination position). On a
+    grouped-query model the k and v rows hold `n_kv_heads` results, then zeros up to
+    `n_heads` (TransformerLens' padding; see the module notes).
+
+    **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
+    token ids of this model; [`PatchingError`][safelens.PatchingError] for a clean cache
+    missing an activation (before any sweep runs), a clean cache of another length, a
+    model, metric result or limit that does not fit, naming it.
+
+    ```python
+    >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
+    >>> cfg = HookedTransformerConfig(n_layers=2, d_model=16, n_ctx=8, d_head=4, n_heads=4, d_vocab=11, act_fn="gelu")
+    >>> model = HookedTransformer(cfg)
+    >>> _, clean_cache = model.run_with_cache(torch.tensor([[1, 2, 3]]))
+    >>> metric = lambda logits: logits[:, -1, 0] - logits[:, -1, 1]
+    >>> get_act_patch_attn_head_by_pos_every(model, torch.tensor([[1, 5, 3]]), clean_cache, metric, progress=False).shape
+    torch.Size([5, 2, 3, 4])
+
+    ```
+    """
+    sweeps = [
+        (get_act_patch_attn_head_out_by_pos, "z"),
+        (get_act_patch_attn_head_q_by_pos, "q"),
+        (get_act_patch_attn_head_k_by_pos, "k"),
+        (get_act_patch_attn_head_v_by_pos, "v"),
+        (_pattern_by_dest_pos, "pattern"),
+    ]
+    return _stack(
+        sweeps,
+        "get_act_patch_attn_head_by_pos_every",
+        model,
+        corrupted_tokens,
+        clean_cache,
+        metric,
+        max_batch,
+        max_bytes,
+        progress,
+    )

@@ -1,0 +1,76 @@
+"""Hooks that act only on the calling thread's forward passes: `thread_hooks`.
+
+TransformerLens attaches hooks through each `HookPoint`'s own bookkeeping
+(`model.hooks(...)`, `add_hook`), which every thread shares: a hook attached in one
+thread fires in every other thread's forward passes through the model while it is
+there, and leaving the block resets hooks by a `context_level` the threads share. The
+passes safelens runs for itself (`prefill`'s residual capture, `ablate_write`'s edits,
+the patching sweeps' patches and captures) attach their hooks with `thread_hooks`
+instead: plain PyTorch forward hooks, each tagged with the thread that attached it and
+acting only in that thread's passes, removed by their own handles when the block exits
+(also on error). The user's hooks on the same points, and TransformerLens'
+bookkeeping, stay as they were. `hooked_here` reads those tags: whether a point has a
+hook that acts on the calling thread's passes.
+
+Caveat: a hook acts in the thread that attached it, not in the work that thread
+starts: a forward pass handed to another thread (a worker pool, `DataParallel`
+replicas) runs without it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+__all__ = ["Hook", "hooked_here", "thread_hooks"]
+
+# `fn(tensor, hook)`, TransformerLens' hook protocol: returns the new tensor, or `None`.
+Hook = Callable[[torch.Tensor, Any], Any]
+
+
+@contextmanager
+def thread_hooks(points: Sequence[tuple[torch.nn.Module, Hook]]) -> Iterator[None]:
+    """Within the block, `fn(tensor, hook)` runs at each point, in this thread's passes only.
+
+    The hooks are registered with PyTorch directly and removed by their own handles,
+    even on error: the user's hooks on the same points (and TransformerLens' hook
+    bookkeeping) stay as they were, and other threads' forward passes never see them.
+    """
+    thread = threading.get_ident()
+    handles = []
+    try:
+        for point, fn in points:
+            handles.append(point.register_forward_hook(_ThreadHook(thread, point, fn)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class _ThreadHook:
+    """A forward hook that applies `fn` to its point's output in one thread's passes."""
+
+    def __init__(self, thread: int, point: torch.nn.Module, fn: Hook) -> None:
+        self.thread = thread  # read by `hooked_here`
+        self.point = point
+        self.fn = fn
+
+    def __call__(self, module: Any, inputs: Any, output: torch.Tensor) -> Any:
+        if threading.get_ident() != self.thread:
+            return None
+        return self.fn(output, self.point)
+
+
+def hooked_here(point: torch.nn.Module) -> bool:
+    """Whether `point` has a forward hook that acts on the calling thread's passes.
+
+    A hook with a `thread` attribute (a thread id, as `thread_hooks` tags its hooks)
+    acts only on that thread's passes; any other hook acts on every thread's.
+    """
+    me = threading.get_ident()
+    hooks = tuple(point._forward_hooks.values())  # one step: other threads may add hooks
+    return any(getattr(hook, "thread", me) == me for hook in hooks)
