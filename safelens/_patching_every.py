@@ -135,9 +135,9 @@ def get_act_patch_block_every(
     """Patch the residual stream, attention output and MLP output of every block and position.
 
     TransformerLens' `patching.get_act_patch_block_every`: the results of
-    [`get_act_patch_resid_pre`][safelens.get_act_patch_resid_pre],
-    [`get_act_patch_attn_out`][safelens.get_act_patch_attn_out] and
-    [`get_act_patch_mlp_out`][safelens.get_act_patch_mlp_out], stacked in that order.
+    `get_act_patch_resid_pre`,
+    `get_act_patch_attn_out` and
+    `get_act_patch_mlp_out`, stacked in that order.
 
     **Arguments:**
 
@@ -201,7 +201,7 @@ def get_act_patch_attn_head_all_pos_every(
     """Patch every head's output, queries, keys, values and pattern at all positions at once.
 
     TransformerLens' `patching.get_act_patch_attn_head_all_pos_every`: the `*_all_pos`
-    sweeps of z ([`get_act_patch_attn_head_out_all_pos`][safelens.get_act_patch_attn_head_out_all_pos]),
+    sweeps of z (`get_act_patch_attn_head_out_all_pos`),
     q, k, v and the attention pattern, stacked in that order.
 
     **Arguments:**
@@ -268,7 +268,7 @@ def get_act_patch_attn_head_by_pos_every(
     """Patch every head's output, queries, keys, values and pattern at each position.
 
     TransformerLens' `patching.get_act_patch_attn_head_by_pos_every`: the `*_by_pos`
-    sweeps of z ([`get_act_patch_attn_head_out_by_pos`][safelens.get_act_patch_attn_head_out_by_pos]),
+    sweeps of z (`get_act_patch_attn_head_out_by_pos`),
     q, k and v, and [`get_act_patch_attn_head_pattern_by_pos`][safelens.get_act_patch_attn_head_pattern_by_pos]
     with its `[layer, n_heads, dest_pos]` turned to `[layer, dest_pos, n_heads]`, stacked
     in that order.
