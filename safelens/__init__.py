@@ -40,6 +40,7 @@ from ._patching import (
     get_act_patch_attn_head_v_by_pos,
     get_act_patch_attn_out,
     get_act_patch_mlp_out,
+    get_act_patch_resid_mid,
     get_act_patch_resid_pre,
 )
 from ._patching_every import (
@@ -51,7 +52,6 @@ from ._patching_patterns import (
     get_act_patch_attn_head_pattern_all_pos,
     get_act_patch_attn_head_pattern_by_pos,
     get_act_patch_attn_head_pattern_dest_src_pos,
-    get_act_patch_resid_mid,
 )
 from ._plotting import plot_patching_heatmap
 from ._prefix import Prefix, prefill

@@ -58,6 +58,7 @@ from ._patch_inputs import _check_index_df as _check_index_df  # re-exported
 __all__ = [
     "generic_activation_patch",
     "get_act_patch_resid_pre",
+    "get_act_patch_resid_mid",
     "get_act_patch_attn_out",
     "get_act_patch_mlp_out",
     "get_act_patch_attn_head_out_by_pos",
@@ -298,6 +299,14 @@ get_act_patch_resid_pre = _sweep_function(
     "get_act_patch_resid_pre",
     "resid_pre",
     "the residual stream before each block",
+    True,
+    False,
+    "torch.Size([2, 3])",
+)
+get_act_patch_resid_mid = _sweep_function(
+    "get_act_patch_resid_mid",
+    "resid_mid",
+    "the residual stream between each block's attention and MLP",
     True,
     False,
     "torch.Size([2, 3])",

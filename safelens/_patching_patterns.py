@@ -1,7 +1,6 @@
-"""Setter-based sweeps: attention patterns and `resid_mid`, as TransformerLens runs them.
+"""Setter-based sweeps of attention patterns, as TransformerLens runs them.
 
-TransformerLens builds these four sweeps from its patch setters
-(`transformer_lens.patching.layer_pos_patch_setter` and the three pattern setters) on
+TransformerLens builds these three sweeps from its pattern patch setters on
 `generic_activation_patch`; so does this module, on
 [`generic_activation_patch`][safelens.generic_activation_patch], with the same setters
 and index grids, so the results are TransformerLens' own up to float rounding. Patched
@@ -9,8 +8,7 @@ runs are batched many per forward pass.
 
 Caveat: an attention pattern `[batch, n_heads, dest_pos, src_pos]` spans every key
 position, so pattern patches run every position of every patched run (the cost of a
-plain forward pass each, batched); only `resid_mid` patches reuse the corrupted run's
-positions before the patch. Patterns index query heads (`n_heads`), grouped-query models
+plain forward pass each, batched). Patterns index query heads (`n_heads`), grouped-query models
 included.
 """
 
@@ -26,13 +24,11 @@ from transformer_lens.patching import (
     layer_head_dest_src_pos_pattern_patch_setter,
     layer_head_pattern_patch_setter,
     layer_head_pos_pattern_patch_setter,
-    layer_pos_patch_setter,
 )
 
 from ._patching import DEFAULT_MAX_BYTES, Metric, generic_activation_patch
 
 __all__ = [
-    "get_act_patch_resid_mid",
     "get_act_patch_attn_head_pattern_by_pos",
     "get_act_patch_attn_head_pattern_dest_src_pos",
     "get_act_patch_attn_head_pattern_all_pos",
@@ -68,66 +64,6 @@ def _setter_sweep(
     )
     assert isinstance(result, torch.Tensor)
     return result
-
-
-def get_act_patch_resid_mid(
-    model: HookedTransformer,
-    corrupted_tokens: Int[torch.Tensor, "batch pos"],
-    clean_cache: ActivationCache,
-    patching_metric: Metric,
-    *,
-    max_batch: int | None = None,
-    max_bytes: int = DEFAULT_MAX_BYTES,
-    progress: bool = True,
-) -> Float[torch.Tensor, "layer pos"]:
-    """Patch the residual stream between attention and MLP: TransformerLens' `patching.get_act_patch_resid_mid`.
-
-    Patches `blocks.{layer}.hook_resid_mid` from `clean_cache` into the corrupted run at
-    each [layer, pos]; positions before `pos` are reused from the corrupted run.
-
-    **Arguments:**
-
-    - `model`: a `HookedTransformer` with MLP layers run after attention (not
-      `cfg.attn_only`, not `cfg.parallel_attn_mlp`: neither has a `resid_mid`).
-    - `corrupted_tokens`: `[batch, pos]` tokens of the corrupted run.
-    - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`), same
-      `pos`.
-    - `patching_metric`: logits `[runs * batch, pos, d_vocab]` to `[runs]` (fast), or
-      TransformerLens-style logits of one run to a scalar.
-    - `max_batch`: at most this many patched runs per forward pass.
-    - `max_bytes`: a memory budget that bounds the runs per forward pass (default 1 GiB).
-    - `progress`: show a progress bar.
-
-    **Returns:** the metric per patch, float32 `[layer, pos]` on the model's device.
-
-    **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
-    token ids of this model; [`PatchingError`][safelens.PatchingError] for a model
-    without `resid_mid`, a clean cache of another length or without `hook_resid_mid`,
-    a metric result or a limit that does not fit, naming it.
-
-    ```python
-    >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
-    >>> cfg = HookedTransformerConfig(n_layers=2, d_model=16, n_ctx=8, d_head=4, n_heads=4, d_vocab=11, act_fn="gelu")
-    >>> model = HookedTransformer(cfg)
-    >>> _, clean_cache = model.run_with_cache(torch.tensor([[1, 2, 3]]))
-    >>> metric = lambda logits: logits[:, -1, 0] - logits[:, -1, 1]
-    >>> get_act_patch_resid_mid(model, torch.tensor([[1, 5, 3]]), clean_cache, metric, progress=False).shape
-    torch.Size([2, 3])
-
-    ```
-    """
-    return _setter_sweep(
-        layer_pos_patch_setter,
-        "resid_mid",
-        ("layer", "pos"),
-        model,
-        corrupted_tokens,
-        clean_cache,
-        patching_metric,
-        max_batch,
-        max_bytes,
-        progress,
-    )
 
 
 def get_act_patch_attn_head_pattern_by_pos(

@@ -11,24 +11,28 @@ from tokenizers.models import WordLevel
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 from transformers import PreTrainedTokenizerFast
 
+import safelens
 from safelens import PatchingError, TokenError, _patching_every, _patching_patterns
 
-SWEEPS = {
-    name: getattr(_patching_patterns, name)
-    for name in (
-        "get_act_patch_resid_mid",
-        "get_act_patch_attn_head_pattern_by_pos",
-        "get_act_patch_attn_head_pattern_dest_src_pos",
-        "get_act_patch_attn_head_pattern_all_pos",
-    )
-} | {
-    name: getattr(_patching_every, name)
-    for name in (
-        "get_act_patch_attn_head_all_pos_every",
-        "get_act_patch_attn_head_by_pos_every",
-        "get_act_patch_block_every",
-    )
-}
+SWEEPS = (
+    {"get_act_patch_resid_mid": safelens.get_act_patch_resid_mid}
+    | {
+        name: getattr(_patching_patterns, name)
+        for name in (
+            "get_act_patch_attn_head_pattern_by_pos",
+            "get_act_patch_attn_head_pattern_dest_src_pos",
+            "get_act_patch_attn_head_pattern_all_pos",
+        )
+    }
+    | {
+        name: getattr(_patching_every, name)
+        for name in (
+            "get_act_patch_attn_head_all_pos_every",
+            "get_act_patch_attn_head_by_pos_every",
+            "get_act_patch_block_every",
+        )
+    }
+)
 BUNDLES = [name for name in SWEEPS if name.endswith("_every")]
 MODELS = {"standard": ("standard", None), "rotary": ("rotary", None), "rotary-gqa": ("rotary", 2)}
 
@@ -267,7 +271,7 @@ def test_resid_mid_on_a_model_without_it_says_why(config: dict, match: str) -> N
     model = HookedTransformer(cfg)
     _, clean_cache = model.run_with_cache(tokens(1, 6, seed=1))
     with pytest.raises(PatchingError, match=match):
-        _patching_patterns.get_act_patch_resid_mid(
+        safelens.get_act_patch_resid_mid(
             model, tokens(1, 6, seed=2), clean_cache, metric, progress=False
         )
 
