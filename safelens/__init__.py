@@ -2,14 +2,17 @@
 
 from typing import TYPE_CHECKING, Any
 
-from ._ablation import ablate_read, ablate_write
-from ._ablation_plan import Ablation
-from ._cache import KeyValueCache
-from ._cache_entry import KeyValueCacheEntry
-from ._capture import run_with_cache_capture
-from ._config import CacheDimensions, parse_dtype
-from ._continuations import ContinuationScores, score_continuations
-from ._errors import (
+from .backends.hooked._hooks import (
+    add_hook,
+    cache_hook_names,
+    hooks,
+    reset_hooks,
+)
+from .backends.hooked._shared_attention import shared_prefix_attention
+from .core._cache import KeyValueCache
+from .core._cache_entry import KeyValueCacheEntry
+from .core._config import CacheDimensions, parse_dtype
+from .core._errors import (
     CacheConfigError,
     CacheFileError,
     CacheShapeError,
@@ -19,16 +22,28 @@ from ._errors import (
     SafelensError,
     TokenError,
 )
-from ._generation import Generation, generate, sample_logits
-from ._hook_point import CacheHookPoint
-from ._hooks import (
-    add_hook,
-    cache_hook_names,
-    hooks,
-    reset_hooks,
+from .core._hook_point import CacheHookPoint
+from .core._values import concat_values, shape_of
+from .experiments._ablation import ablate_read, ablate_write
+from .experiments._ablation_plan import Ablation
+from .experiments._capture import run_with_cache_capture
+from .experiments._continuations import ContinuationScores, score_continuations
+from .experiments._generation import Generation, generate, sample_logits
+from .experiments._metrics import logit_diff_metric
+from .experiments._prefix import Prefix, prefill
+from .experiments._run import run_with_hooks
+from .patching._every import (
+    get_act_patch_attn_head_all_pos_every,
+    get_act_patch_attn_head_by_pos_every,
+    get_act_patch_block_every,
 )
-from ._metrics import logit_diff_metric
-from ._patching import (
+from .patching._patterns import (
+    get_act_patch_attn_head_pattern_all_pos,
+    get_act_patch_attn_head_pattern_by_pos,
+    get_act_patch_attn_head_pattern_dest_src_pos,
+)
+from .patching._plotting import plot_patching_heatmap
+from .patching._sweeps import (
     generic_activation_patch,
     get_act_patch_attn_head_k_all_pos,
     get_act_patch_attn_head_k_by_pos,
@@ -43,28 +58,13 @@ from ._patching import (
     get_act_patch_resid_mid,
     get_act_patch_resid_pre,
 )
-from ._patching_every import (
-    get_act_patch_attn_head_all_pos_every,
-    get_act_patch_attn_head_by_pos_every,
-    get_act_patch_block_every,
-)
-from ._patching_patterns import (
-    get_act_patch_attn_head_pattern_all_pos,
-    get_act_patch_attn_head_pattern_by_pos,
-    get_act_patch_attn_head_pattern_dest_src_pos,
-)
-from ._plotting import plot_patching_heatmap
-from ._prefix import Prefix, prefill
-from ._run import run_with_hooks
-from ._shared_attention import shared_prefix_attention
-from ._values import concat_values, shape_of
 
 if TYPE_CHECKING:
-    from ._hf_cache import HFKeyValueCache
-    from ._hf_model import hf_cache_argument
+    from .backends.hf._cache import HFKeyValueCache
+    from .backends.hf._model import hf_cache_argument
 
 # The HuggingFace backend is imported on first use, so `import safelens` needs no transformers.
-_LAZY = {"HFKeyValueCache": "._hf_cache", "hf_cache_argument": "._hf_model"}
+_LAZY = {"HFKeyValueCache": ".backends.hf._cache", "hf_cache_argument": ".backends.hf._model"}
 
 
 def __getattr__(name: str) -> Any:

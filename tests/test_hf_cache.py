@@ -18,8 +18,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import CacheLayerMixin
 
 from safelens import CacheConfigError, CacheShapeError, FrozenCacheError, HookError
-from safelens._hf_cache import HFKeyValueCache
-from safelens._hf_model import hf_cache_argument
+from safelens.backends.hf._cache import HFKeyValueCache
+from safelens.backends.hf._model import hf_cache_argument
 
 VOCAB = 50
 SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)

@@ -12,7 +12,9 @@ from transformer_lens import HookedTransformer, HookedTransformerConfig
 from transformers import PreTrainedTokenizerFast
 
 import safelens
-from safelens import PatchingError, TokenError, _patching_every, _patching_patterns
+from safelens import PatchingError, TokenError
+from safelens.patching import _every as _patching_every
+from safelens.patching import _patterns as _patching_patterns
 
 SWEEPS = (
     {"get_act_patch_resid_mid": safelens.get_act_patch_resid_mid}

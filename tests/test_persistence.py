@@ -1,4 +1,4 @@
-"""Saving, loading and fit-checking caches (safelens._persistence)."""
+"""Saving, loading and fit-checking caches (safelens.core._persistence)."""
 
 from __future__ import annotations
 

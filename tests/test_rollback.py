@@ -1,4 +1,4 @@
-"""A failed forward pass leaves the cache exactly as it was: `safelens._rollback`."""
+"""A failed forward pass leaves the cache exactly as it was: `safelens.core._rollback`."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 from transformer_lens.cache.key_value_cache_entry import TransformerLensKeyValueCacheEntry
 
 from safelens import KeyValueCache, KeyValueCacheEntry
-from safelens._storage import Sequence
+from safelens.core._storage import Sequence
 
 D_VOCAB = 13
 PREFIX, STEPS = 5, 4

@@ -45,8 +45,8 @@ from jaxtyping import Float, Int
 from transformer_lens.components import Attention, GroupedQueryAttention
 from transformer_lens.utilities.activation_functions import softcap_enabled
 
-from ._cache_entry import KeyValueCacheEntry
-from ._thread_hooks import hooked_here
+from ...core._cache_entry import KeyValueCacheEntry
+from ...core._thread_hooks import hooked_here
 
 __all__ = ["shared_prefix_attention"]
 

@@ -7,7 +7,7 @@ selected slice). Its indices and references are checked when it is made. `_plan`
 resolves a list of ablations against one prefix into `_Edit`s: index tensors in range
 of the prefix, and, for `"mean"` and `"resample"`, the reference slices each edited
 layer takes, every reference checked to fit the prefix. The read-time and write-time
-ablations (`safelens._ablation`) apply those edits; nothing is edited before every
+ablations (`safelens.experiments._ablation`) apply those edits; nothing is edited before every
 ablation of a call has been resolved.
 
 Positions index the prefix's cache axis, left padding included. Heads index the
@@ -28,9 +28,9 @@ from typing import Any, Literal, NamedTuple
 import torch
 from jaxtyping import Int
 
-from ._arguments import as_index
-from ._cache import KeyValueCache
-from ._errors import CacheShapeError
+from ..core._arguments import as_index
+from ..core._cache import KeyValueCache
+from ..core._errors import CacheShapeError
 from ._prefix import Prefix
 
 __all__ = ["Ablation"]

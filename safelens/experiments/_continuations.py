@@ -28,12 +28,12 @@ from typing import Any
 import torch
 from jaxtyping import Float, Int
 
-from ._arguments import flag, positive_int
-from ._config import CacheDimensions
-from ._errors import CacheShapeError, TokenError
+from ..backends.hooked._shared_attention import shared_prefix_attention
+from ..core._arguments import flag, positive_int
+from ..core._config import CacheDimensions
+from ..core._errors import CacheShapeError, TokenError
+from ..core._tokens import check_tokens
 from ._prefix import Prefix, check_prefix
-from ._shared_attention import shared_prefix_attention
-from ._tokens import check_tokens
 
 __all__ = ["ContinuationScores", "score_continuations"]
 

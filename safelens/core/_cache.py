@@ -30,7 +30,7 @@ from jaxtyping import Int
 from ._arguments import integer, positive_int
 from ._cache_entry import KeyValueCacheEntry
 from ._cache_layout import check_layout
-from ._cache_layout import check_rows as _check_rows  # the name safelens._hf_cache imports
+from ._cache_layout import check_rows as _check_rows  # the name safelens.backends.hf._cache imports
 from ._config import CacheDimensions
 from ._errors import CacheShapeError
 from ._fit import check_fits
@@ -485,7 +485,7 @@ class KeyValueCache:
         >>> cache.check_fits(SimpleNamespace(n_layers=2, n_heads=4, d_head=16))
         Traceback (most recent call last):
         ...
-        safelens._errors.CacheConfigError: the cache does not fit the model config: d_head: cfg expects 16, cache has 8 (layers [0, 1]). ...
+        safelens.core._errors.CacheConfigError: the cache does not fit the model config: d_head: cfg expects 16, cache has 8 (layers [0, 1]). ...
 
         ```
         """

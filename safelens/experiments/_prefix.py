@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from jaxtyping import Float, Int
 
-from ._arguments import flag, integer
-from ._cache import KeyValueCache
-from ._config import refuse_ungrouped
-from ._errors import CacheConfigError, CacheShapeError, FrozenCacheError, TokenError
-from ._thread_hooks import thread_hooks
-from ._tokens import check_tokens
+from ..core._arguments import flag, integer
+from ..core._cache import KeyValueCache
+from ..core._config import refuse_ungrouped
+from ..core._errors import CacheConfigError, CacheShapeError, FrozenCacheError, TokenError
+from ..core._thread_hooks import thread_hooks
+from ..core._tokens import check_tokens
 
 __all__ = ["Prefix", "check_prefix", "prefill"]
 

@@ -26,7 +26,7 @@ from transformer_lens.patching import (
     layer_head_pos_pattern_patch_setter,
 )
 
-from ._patching import DEFAULT_MAX_BYTES, Metric, generic_activation_patch
+from ._sweeps import DEFAULT_MAX_BYTES, Metric, generic_activation_patch
 
 __all__ = [
     "get_act_patch_attn_head_pattern_by_pos",

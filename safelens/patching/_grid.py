@@ -10,13 +10,13 @@ later layer join the batch there (a staggered forward). The logits of positions 
 are the corrupted run's, copied in before the metric sees them.
 
 Positions are reused only where the plan allows it (a causal model; see
-`safelens._patch_plan`): otherwise every run starts at position 0, still batched and
+`safelens.patching._plan`): otherwise every run starts at position 0, still batched and
 still entering at its own layer. The corrupted run, and every patched run, use the
 attention mask TransformerLens' own forward would build for the tokens (the
 tokenizer's leading padding masked when it pads on the left).
 
 Threads: the sweep's hooks act only on the forward passes of the thread that runs the
-sweep, and are removed by their own handles (`safelens._thread_hooks`), so sweeps in
+sweep, and are removed by their own handles (`safelens.core._thread_hooks`), so sweeps in
 several threads on one model, and other threads' plain forwards, do not see each
 other's patches.
 
@@ -36,11 +36,11 @@ from transformer_lens import HookedTransformer
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.utilities import get_attention_mask
 
-from ._cache import KeyValueCache
-from ._errors import PatchingError
-from ._patch_plan import Plan
-from ._shared_attention import shared_prefix_attention
-from ._thread_hooks import Hook, thread_hooks
+from ..backends.hooked._shared_attention import shared_prefix_attention
+from ..core._cache import KeyValueCache
+from ..core._errors import PatchingError
+from ..core._thread_hooks import Hook, thread_hooks
+from ._plan import Plan
 
 __all__ = ["CorruptedRun", "Patcher", "sweep"]
 
@@ -200,7 +200,7 @@ def sweep(
     """Fill `out.view(-1)[run.slot]` with the metric of every patched run; return `out`.
 
     `single_position`: each run's patch changes its own position `run.pos` alone (a
-    by-position sweep), which lets some sites skip work (see `safelens._patch_plan`).
+    by-position sweep), which lets some sites skip work (see `safelens.patching._plan`).
     """
     batch, length = corrupted.logits.shape[:2]
     limit = _rows_per_run_limit(model, length, max_bytes) // batch

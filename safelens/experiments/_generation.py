@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from jaxtyping import Float, Int
 
-from ._arguments import finite_number, flag, integer, positive_int
-from ._errors import TokenError
+from ..core._arguments import finite_number, flag, integer, positive_int
+from ..core._errors import TokenError
+from ..core._tokens import check_tokens
 from ._prefix import Prefix, check_prefix
-from ._tokens import check_tokens
 
 __all__ = ["Generation", "generate", "sample_logits"]
 

@@ -1,6 +1,6 @@
 """Ablating a prefix's keys and values: `ablate_read` and `ablate_write`.
 
-An [`Ablation`][safelens.Ablation] (`safelens._ablation_plan`) names what to edit and
+An [`Ablation`][safelens.Ablation] (`safelens.experiments._ablation_plan`) names what to edit and
 how. Two semantics apply it, each a function of its own:
 
 - [`ablate_read`][safelens.ablate_read] (read-time): later tokens read the edited
@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
+from ..core._cache import KeyValueCache
+from ..core._config import refuse_ungrouped
+from ..core._errors import CacheConfigError
+from ..core._thread_hooks import Hook, thread_hooks
+from ..core._tokens import check_tokens
 from ._ablation_plan import Ablation, _Edit, _plan
-from ._cache import KeyValueCache
-from ._config import refuse_ungrouped
-from ._errors import CacheConfigError
 from ._prefix import Prefix
-from ._thread_hooks import Hook, thread_hooks
-from ._tokens import check_tokens
 
 __all__ = ["ablate_read", "ablate_write"]
 

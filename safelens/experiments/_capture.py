@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from transformer_lens import HookedTransformer
 
-from ._cache import KeyValueCache
-from ._config import CacheDimensions
-from ._errors import HookError
-from ._hook_point import CacheHookPoint
-from ._hooks import FwdHooks, NamesFilter, _resolve, cache_hook_names
+from ..backends.hooked._hooks import FwdHooks, NamesFilter, _resolve, cache_hook_names
+from ..core._cache import KeyValueCache
+from ..core._config import CacheDimensions
+from ..core._errors import HookError
+from ..core._hook_point import CacheHookPoint
 from ._run import forward
 
 __all__ = ["run_with_cache_capture"]

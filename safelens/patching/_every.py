@@ -28,8 +28,12 @@ from jaxtyping import Float, Int
 from transformer_lens import ActivationCache, HookedTransformer
 from transformer_lens.utilities import get_act_name
 
-from ._errors import PatchingError
-from ._patching import (
+from ..core._errors import PatchingError
+from ._patterns import (
+    get_act_patch_attn_head_pattern_all_pos,
+    get_act_patch_attn_head_pattern_by_pos,
+)
+from ._sweeps import (
     DEFAULT_MAX_BYTES,
     Metric,
     get_act_patch_attn_head_k_all_pos,
@@ -43,10 +47,6 @@ from ._patching import (
     get_act_patch_attn_out,
     get_act_patch_mlp_out,
     get_act_patch_resid_pre,
-)
-from ._patching_patterns import (
-    get_act_patch_attn_head_pattern_all_pos,
-    get_act_patch_attn_head_pattern_by_pos,
 )
 
 __all__ = [

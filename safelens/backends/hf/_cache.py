@@ -2,9 +2,9 @@
 
 Pass it to a HuggingFace causal LM's forward or `generate` (under the name
 [`hf_cache_argument`][safelens.hf_cache_argument] gives) and it gives the model's own
-numbers, storing keys and values in safelens storage (`safelens._hf_layer`): amortised
+numbers, storing keys and values in safelens storage (`safelens.backends.hf._layer`): amortised
 O(1) appends, freezing, copy-on-write branches and hook points on keys and values
-(`safelens._hf_hooks`). `update` is the seam: head-major `[batch, n_kv_heads,
+(`safelens.backends.hf._hooks`). `update` is the seam: head-major `[batch, n_kv_heads,
 new_tokens, d_head]` keys after the rotary embedding.
 
 A pass whose `update` raises (a hook raises or returns a misfit, keys that do not fit)
@@ -28,14 +28,14 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from ._cache import _check_rows
-from ._config import CacheDimensions
-from ._errors import CacheShapeError, FrozenCacheError, HookError
-from ._frozen import FrozenFlag
-from ._hf_hooks import FwdHooks, attached, resolve, resolve_hooks
-from ._hf_layer import HOOK_POINTS, HFCacheLayer
-from ._hook_point import CacheHookPoint
-from ._storage import Sequence
+from ...core._cache import _check_rows
+from ...core._config import CacheDimensions
+from ...core._errors import CacheShapeError, FrozenCacheError, HookError
+from ...core._frozen import FrozenFlag
+from ...core._hook_point import CacheHookPoint
+from ...core._storage import Sequence
+from ._hooks import FwdHooks, attached, resolve, resolve_hooks
+from ._layer import HOOK_POINTS, HFCacheLayer
 
 __all__ = ["HFKeyValueCache"]
 

@@ -1,11 +1,11 @@
 """The checked inputs of a patching sweep: `_Sweep`, its limits, index grid and setter.
 
-A sweep function (`safelens._patching`) checks everything it is given before the first
+A sweep function (`safelens.patching._sweeps`) checks everything it is given before the first
 patched run: the limits (`max_batch`, `max_bytes`, `progress`), the model (a
 `HookedTransformer`, not shortformer), the corrupted tokens, that the activation fires
 inside every block of this model, and that `clean_cache` holds it in the corrupted
 run's shape (batch 1 or the corrupted batch). `_Sweep` holds what passed: the tokens on
-the model's device, the corrupted run (`safelens._patch_grid.CorruptedRun`) and each
+the model's device, the corrupted run (`safelens.patching._grid.CorruptedRun`) and each
 layer's clean activation. A generic sweep's index grid (`index_axis_names`, or
 `index_df` checked against the axis sizes) is checked here too, and so is each
 `patch_setter` result as it arrives. Every failure is a `PatchingError` naming the
@@ -25,10 +25,10 @@ import torch
 from transformer_lens import ActivationCache, HookedTransformer
 from transformer_lens.utilities import get_act_name
 
-from ._arguments import flag, positive_int
-from ._errors import PatchingError
-from ._patch_grid import CorruptedRun, Metric, Patcher, Run, sweep
-from ._tokens import check_tokens
+from ..core._arguments import flag, positive_int
+from ..core._errors import PatchingError
+from ..core._tokens import check_tokens
+from ._grid import CorruptedRun, Metric, Patcher, Run, sweep
 
 __all__ = ["DEFAULT_MAX_BYTES"]
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._errors import PatchingError
+from ..core._errors import PatchingError
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -3,7 +3,7 @@
 An entry holds keys and values of shape `[batch, pos_so_far, n_kv_heads, d_head]`
 (TransformerLens' layout: position-major, keys before any rotary embedding) or, for
 adapters, numpy arrays or nested lists. Tensors appended along `pos` go into a growing
-buffer (see `safelens._storage`), so a one-token append does not copy the cache.
+buffer (see `safelens.core._storage`), so a one-token append does not copy the cache.
 
 Frozen semantics: while frozen, [`append`][safelens.KeyValueCacheEntry.append] still
 returns the full keys and values, but nothing stored changes, bitwise.

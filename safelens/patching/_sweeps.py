@@ -6,8 +6,8 @@ same shape with the same numbers (up to float rounding), on the model's device (
 one exception, ungrouped grouped-query keys and values, below). Instead
 of one full forward pass per patch, patched runs are stacked along the batch and run
 from the corrupted run's frozen key/value cache: a patch at layer `l`, position `p` of a
-causal model only runs positions `p:` and layers `l:` (see `safelens._patch_grid`).
-Every input is checked before the first patched run (see `safelens._patch_inputs`).
+causal model only runs positions `p:` and layers `l:` (see `safelens.patching._grid`).
+Every input is checked before the first patched run (see `safelens.patching._inputs`).
 
 `patching_metric` is best *batched*: a function of logits `[runs * batch, pos, d_vocab]`
 (rows `r * batch … (r + 1) * batch - 1` are patched run `r`) returning `[runs]`, as
@@ -23,7 +23,7 @@ TransformerLens' own sweeps cover only the first `n_kv_heads` of them).
 Models: causal models reuse the corrupted run's positions before each patch;
 bidirectional ones run every position of every patched run (exact, slower). Prompts
 are masked as TransformerLens masks them (a tokenizer's left padding). Several threads
-may sweep one model at once (see `safelens._patch_grid`). Shortformer positional
+may sweep one model at once (see `safelens.patching._grid`). Shortformer positional
 embeddings are refused.
 
 Caveat: positions before a patch are taken from the corrupted run, so a custom
@@ -43,8 +43,8 @@ from jaxtyping import Int
 from transformer_lens import ActivationCache, HookedTransformer
 from transformer_lens.utilities import get_act_name
 
-from ._patch_grid import Metric, Run
-from ._patch_inputs import (
+from ._grid import Metric, Run
+from ._inputs import (
     DEFAULT_MAX_BYTES,
     _check_index_choice,
     _check_limits,
@@ -53,7 +53,7 @@ from ._patch_inputs import (
     _index_grid,
     _Sweep,
 )
-from ._patch_inputs import _check_index_df as _check_index_df  # re-exported
+from ._inputs import _check_index_df as _check_index_df  # re-exported
 
 __all__ = [
     "generic_activation_patch",

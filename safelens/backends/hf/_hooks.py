@@ -3,7 +3,7 @@
 Every layer of the cache has four hook points, named
 `model.layers.{layer}.kv_cache.{hook_k_new, hook_v_new, hook_k_full, hook_v_full}` for
 every architecture (GPT-2's modules are `transformer.h.{layer}`, its cache hook names are
-still `model.layers.{layer}.…`). What each sees is stated in `safelens._hf_layer`.
+still `model.layers.{layer}.…`). What each sees is stated in `safelens.backends.hf._layer`.
 
 A hook list is `[(names, fn), ...]` as in TransformerLens' `run_with_hooks`: `names` is a
 hook name, a list of names, or a predicate `fn(name) -> bool`. Every name is checked
@@ -22,9 +22,9 @@ from collections.abc import Sequence as Seq
 from contextlib import contextmanager
 from typing import Any
 
-from ._errors import HookError
-from ._hf_layer import HOOK_POINTS, HFCacheLayer, hf_hook_name
-from ._hook_point import CacheHookPoint, HookFunction
+from ...core._errors import HookError
+from ...core._hook_point import CacheHookPoint, HookFunction
+from ._layer import HOOK_POINTS, HFCacheLayer, hf_hook_name
 
 __all__ = ["FwdHooks", "NamesFilter", "attached", "resolve", "resolve_hooks"]
 

@@ -2,7 +2,7 @@
 
 HuggingFace attention hands the cache head-major keys and values, `[batch, n_kv_heads,
 new_tokens, d_head]`, keys *after* the rotary embedding. A layer stores them in two
-safelens `Sequence`s (see `safelens._storage`) in position-major layout, `[batch, pos,
+safelens `Sequence`s (see `safelens.core._storage`) in position-major layout, `[batch, pos,
 n_kv_heads, d_head]`: a `Sequence` grows along axis 1, and the transpose between the two
 layouts is a free view, so appends stay amortised O(1) and branches share storage
 copy-on-write, exactly as in [`KeyValueCache`][safelens.KeyValueCache].
@@ -27,9 +27,9 @@ import torch
 from jaxtyping import Float
 from transformers.cache_utils import CacheLayerMixin
 
-from ._errors import CacheShapeError
-from ._hook_point import CacheHookPoint
-from ._storage import Sequence
+from ...core._errors import CacheShapeError
+from ...core._hook_point import CacheHookPoint
+from ...core._storage import Sequence
 
 __all__ = ["HFCacheLayer", "hf_hook_name", "HOOK_POINTS"]
 

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from jaxtyping import Float, Int
 
-from ._errors import PatchingError, TokenError
-from ._tokens import check_tokens
+from ..core._errors import PatchingError, TokenError
+from ..core._tokens import check_tokens
 
 __all__ = ["logit_diff_metric"]
 

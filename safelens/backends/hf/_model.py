@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from ._errors import CacheConfigError
+from ...core._errors import CacheConfigError
 
 __all__ = ["hf_cache_argument"]
 

@@ -1,7 +1,7 @@
 """One forward pass through a cache with hooks attached: `run_with_hooks`.
 
 The cache's counterpart of TransformerLens' `model.run_with_hooks`: the `fwd_hooks` list
-may name the model's hook points and the cache's (see `safelens._hooks`). The pass is
+may name the model's hook points and the cache's (see `safelens.backends.hooked._hooks`). The pass is
 checked before it runs (token ids, batch, mask, and that it reaches every layer of an
 unfrozen cache), and put back exactly as it was if it fails.
 
@@ -17,13 +17,13 @@ from typing import Any, Literal
 import torch
 from transformer_lens import HookedTransformer
 
-from ._arguments import integer
-from ._cache import KeyValueCache
-from ._config import CacheDimensions, refuse_ungrouped
-from ._errors import CacheShapeError, HookError, TokenError
-from ._hooks import FwdHooks, hooks
-from ._rollback import snapshot
-from ._tokens import check_tokens
+from ..backends.hooked._hooks import FwdHooks, hooks
+from ..core._arguments import integer
+from ..core._cache import KeyValueCache
+from ..core._config import CacheDimensions, refuse_ungrouped
+from ..core._errors import CacheShapeError, HookError, TokenError
+from ..core._rollback import snapshot
+from ..core._tokens import check_tokens
 
 __all__ = ["run_with_hooks", "forward"]
 

@@ -7,8 +7,8 @@ Here the same list may also name the cache's hook points,
 cache names to the cache entries' [`CacheHookPoint`][safelens.CacheHookPoint]s, and
 removes the temporary ones on exit, also on error.
 `hooks` also puts the cache back as it was when a forward pass inside the block fails
-(see `safelens._rollback`). [`run_with_hooks`][safelens.run_with_hooks] runs one
-forward pass that way (`safelens._run`), and `safelens._capture` collects what the cache
+(see `safelens.core._rollback`). [`run_with_hooks`][safelens.run_with_hooks] runs one
+forward pass that way (`safelens.experiments._run`), and `safelens.experiments._capture` collects what the cache
 hook points saw.
 
 Caveats:
@@ -35,11 +35,11 @@ from typing import Any, Literal
 
 from transformer_lens import HookedTransformer
 
-from ._cache import KeyValueCache
-from ._cache_entry import hook_name
-from ._errors import HookError
-from ._hook_point import CacheHookPoint, HookFunction
-from ._rollback import PassGuard
+from ...core._cache import KeyValueCache
+from ...core._cache_entry import hook_name
+from ...core._errors import HookError
+from ...core._hook_point import CacheHookPoint, HookFunction
+from ...core._rollback import PassGuard
 
 __all__ = [
     "NamesFilter",

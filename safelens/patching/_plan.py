@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 from transformer_lens import HookedTransformer
 
-from ._shared_attention import supports
-from ._thread_hooks import hooked_here
+from ..backends.hooked._shared_attention import supports
+from ..core._thread_hooks import hooked_here
 
 __all__ = ["Plan", "causal", "reads_last_position"]
 

@@ -1,0 +1,1 @@
+"""One adapter per model family; each is the only code that imports its model library."""

@@ -1,0 +1,1 @@
+"""Activation-patching sweeps, their engine, metrics and heatmaps."""
