@@ -6,12 +6,11 @@ with its default cache, on tiny random-weight models built from config classes.
 
 from __future__ import annotations
 
-import functools
 from types import SimpleNamespace
 
 import pytest
 import torch
-import transformers
+from hf_models import CONFIGS, ids, model, run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
@@ -20,50 +19,6 @@ from transformers.cache_utils import CacheLayerMixin
 from safelens import CacheConfigError, CacheShapeError, FrozenCacheError, HookError
 from safelens.backends.hf._cache import HFKeyValueCache
 from safelens.backends.hf._model import hf_cache_argument
-
-VOCAB = 50
-SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
-SPECIAL = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=None, pad_token_id=None)
-CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(**SIZES, **SPECIAL, num_key_value_heads=2),
-    "gpt2": lambda: transformers.GPT2Config(
-        n_embd=32, n_layer=2, n_head=4, n_positions=64, **SPECIAL
-    ),
-    "qwen2": lambda: transformers.Qwen2Config(**SIZES, **SPECIAL, num_key_value_heads=2),
-    "mistral": lambda: transformers.MistralConfig(
-        **SIZES, **SPECIAL, num_key_value_heads=2, sliding_window=4
-    ),
-    "gemma2": lambda: transformers.Gemma2Config(
-        **SIZES,
-        **SPECIAL,
-        num_key_value_heads=2,
-        head_dim=8,
-        sliding_window=4,
-        attn_implementation="eager",
-        attn_logit_softcapping=20.0,
-        final_logit_softcapping=10.0,
-    ),
-    "phi3": lambda: transformers.Phi3Config(**SIZES, **SPECIAL, num_key_value_heads=2),
-}
-
-
-@functools.cache
-def model(name: str = "llama", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A tiny random-weight causal LM; cached, so tests must leave its hooks as found."""
-    torch.manual_seed(0)
-    built = transformers.AutoModelForCausalLM.from_config(CONFIGS[name]())
-    return built.to(dtype).eval()
-
-
-def ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(1, VOCAB, (batch, length), generator=generator)
-
-
-def run(lm: torch.nn.Module, tokens: torch.Tensor, cache: object = None, **kw) -> torch.Tensor:
-    if cache is not None:
-        kw[hf_cache_argument(lm)] = cache
-    return lm(tokens, **kw).logits
 
 
 def state(cache: HFKeyValueCache) -> list[torch.Tensor]:

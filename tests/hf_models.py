@@ -1,0 +1,60 @@
+"""Small random-weight HuggingFace causal LMs for the tests, built from config classes.
+
+The model families of the HF backend: GPT-2 (raw keys), Llama (GQA), Qwen2 (qkv bias),
+Mistral (sliding window), Gemma-2 (hybrid sliding window, soft-capping, eager attention)
+and Phi-3. No download; `model` caches each, so tests must leave its hooks as found.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import transformers
+
+from safelens.backends.hf._model import hf_cache_argument
+
+VOCAB = 50
+SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+SPECIAL = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=None, pad_token_id=None)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**SIZES, **SPECIAL, num_key_value_heads=2),
+    "gpt2": lambda: transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=4, n_positions=64, **SPECIAL
+    ),
+    "qwen2": lambda: transformers.Qwen2Config(**SIZES, **SPECIAL, num_key_value_heads=2),
+    "mistral": lambda: transformers.MistralConfig(
+        **SIZES, **SPECIAL, num_key_value_heads=2, sliding_window=4
+    ),
+    "gemma2": lambda: transformers.Gemma2Config(
+        **SIZES,
+        **SPECIAL,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=4,
+        attn_implementation="eager",
+        attn_logit_softcapping=20.0,
+        final_logit_softcapping=10.0,
+    ),
+    "phi3": lambda: transformers.Phi3Config(**SIZES, **SPECIAL, num_key_value_heads=2),
+}
+
+
+@functools.cache
+def model(name: str = "llama", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A tiny random-weight causal LM; cached, so tests must leave its hooks as found."""
+    torch.manual_seed(0)
+    built = transformers.AutoModelForCausalLM.from_config(CONFIGS[name]())
+    return built.to(dtype).eval()
+
+
+def ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (batch, length), generator=generator)
+
+
+def run(lm: torch.nn.Module, tokens: torch.Tensor, cache: object = None, **kw) -> torch.Tensor:
+    """Logits of `lm` on `tokens`, through `cache` (passed under the forward's own name)."""
+    if cache is not None:
+        kw[hf_cache_argument(lm)] = cache
+    return lm(tokens, **kw).logits
