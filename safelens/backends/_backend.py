@@ -1,0 +1,406 @@
+"""The adapter protocol: what the experiments need from a model family; `backend_of`.
+
+The experiments (`safelens.experiments`: prefill, continuations, generation, ablations,
+hooked runs, capture) are written once against two small interfaces defined here:
+
+- [`Backend`][safelens.backends._backend.Backend] wraps one model: its sizes, its
+  tokenizer, an empty cache for a batch, one forward pass of new tokens through a cache,
+  the hook names where an edit is written into the cache, and hooks attached for a
+  pass. One subclass per model family: `HookedBackend`
+  (`safelens.backends.hooked._backend`, TransformerLens `HookedTransformer`), `HFBackend`
+  (`safelens.backends.hf._backend`, plain HuggingFace causal LMs) and `BridgeBackend`
+  (`safelens.backends.bridge._backend`, TransformerLens' `TransformerBridge`).
+- [`CacheOps`][safelens.backends._backend.CacheOps] is what an experiment does to a
+  cache without the model (read-time ablations take no model): read a layer's
+  keys/values, make a new cache with some layers replaced, crop. One per cache class:
+  `KeyValueCache` (position-major, pre-rotary keys) and `HFKeyValueCache` (head-major,
+  post-rotary keys), described by a [`CacheLayout`][safelens.backends._backend.CacheLayout].
+
+[`backend_of`][safelens.backends._backend.backend_of] recognises a model's family by the
+names and modules of its class and its bases, importing a family's adapter (and so its
+model library) only when the model is of that family: `import safelens` and the
+experiments need neither TransformerLens nor transformers.
+
+Caveat: positions and heads mean the cache's axes, in the cache's layout, on every
+backend: a position counts left padding, a head is a key/value head under grouped-query
+attention, and a `"function"` ablation or a write-time hook gets tensors in that
+backend's layout (`[batch, pos, n_kv_heads, d_head]` on `HookedTransformer`,
+`[batch, n_kv_heads, pos, d_head]` on HuggingFace models and the bridge).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from contextlib import AbstractContextManager
+from importlib import import_module
+from typing import Any, ClassVar, Literal, NamedTuple
+
+import torch
+from jaxtyping import Float, Int
+
+__all__ = [
+    "Backend",
+    "CacheLayout",
+    "CacheOps",
+    "CacheShape",
+    "FwdHooks",
+    "NamesFilter",
+    "backend_of",
+    "cache_ops",
+]
+
+NamesFilter = str | Seq[str] | Callable[[str], bool]
+FwdHooks = Seq[tuple[NamesFilter, Callable[[torch.Tensor, Any], Any]]]
+
+
+class CacheLayout(NamedTuple):
+    """How a cache class lays out keys and values, and what its keys are.
+
+    **Fields:**
+
+    - `pos_axis`, `heads_axis`: the axes of positions and of key/value heads in the
+      4-D tensors the cache holds and its hooks see (batch is always axis 0, `d_head`
+      axis 3): `1, 2` for position-major `[batch, pos, n_kv_heads, d_head]`, `2, 1` for
+      head-major `[batch, n_kv_heads, pos, d_head]`.
+    - `rotary`: `"pre"` when keys are stored before the rotary embedding (the model
+      rotates the whole cached sequence on every pass), `"post"` when stored rotated.
+    - `hook_prefix`: the cache hook names' prefix, with `{layer}`:
+      `"blocks.{layer}.kv_cache"` or `"model.layers.{layer}.kv_cache"`; the four hook
+      points are `{hook_prefix}.hook_k_new`, `hook_v_new`, `hook_k_full`, `hook_v_full`.
+
+    ```python
+    >>> layout = CacheLayout(pos_axis=2, heads_axis=1, rotary="post", hook_prefix="model.layers.{layer}.kv_cache")
+    >>> layout.hook_name(3, "hook_k_new"), layout.shape_names()
+    ('model.layers.3.kv_cache.hook_k_new', '[batch, n_kv_heads, pos, d_head]')
+
+    ```
+    """
+
+    pos_axis: int
+    heads_axis: int
+    rotary: Literal["pre", "post"]
+    hook_prefix: str
+
+    def hook_name(self, layer: int, point: str) -> str:
+        """The name of cache hook point `point` (`"hook_k_new"` …) of layer `layer`."""
+        return f"{self.hook_prefix.format(layer=layer)}.{point}"
+
+    def shape_names(self) -> str:
+        """The layout in words, for error messages: `[batch, pos, n_kv_heads, d_head]`."""
+        axes = ["batch", "", "", "d_head"]
+        axes[self.pos_axis], axes[self.heads_axis] = "pos", "n_kv_heads"
+        return f"[{', '.join(axes)}]"
+
+
+class CacheShape(NamedTuple):
+    """The sizes of a filled cache: every layer holds one shape of keys and values."""
+
+    n_layers: int
+    batch: int
+    length: int
+    n_kv_heads: int
+    d_head: int
+
+
+class CacheOps(ABC):
+    """What experiments do to one cache class without a model; stateless, one instance.
+
+    Besides these, the experiments call the cache's own methods, which every safelens
+    cache class has with these meanings: `fork()`, `expand(n)`, `select(rows)` (new
+    caches sharing storage, unfrozen), `freeze()`, and `frozen` (truthy when frozen).
+    """
+
+    layout: ClassVar[CacheLayout]
+    cache_class_name: ClassVar[str]
+
+    @abstractmethod
+    def owns(self, cache: Any) -> bool:
+        """Whether `cache` is of this class (an `isinstance` check)."""
+
+    @abstractmethod
+    def shape(self, cache: Any, what: str) -> CacheShape:
+        """The sizes of `cache`, read without changing it.
+
+        **Raises:** [`CacheShapeError`][safelens.CacheShapeError] naming `what` for a
+        cache with no layers, a layer without tensors, or layers of several shapes.
+        """
+
+    @abstractmethod
+    def layer(self, cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s stored `(keys, values)` in `layout`, as read-only views."""
+
+    @abstractmethod
+    def stored_mask(self, cache: Any) -> Int[torch.Tensor, "batch pos"] | None:
+        """The attention mask the cache stores for its positions, or `None` if it keeps none."""
+
+    @abstractmethod
+    def replaced(self, cache: Any, layers: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """A new frozen cache: `cache` with `layers[l] = (keys, values)` (in `layout`).
+
+        Layers not replaced share `cache`'s storage; `cache` is not changed.
+        """
+
+    @abstractmethod
+    def cropped(self, cache: Any, length: int) -> Any:
+        """A new unfrozen cache of `cache`'s first `length` positions, sharing storage."""
+
+    @abstractmethod
+    def length(self, cache: Any) -> int:
+        """Positions cached so far (0 for an empty cache)."""
+
+    @abstractmethod
+    def batch_size(self, cache: Any) -> int:
+        """Rows of the cache, or `0` when it holds nothing yet."""
+
+
+class Backend(ABC):
+    """One model of one family, as the experiments see it.
+
+    A backend is a thin, cheap wrapper made per call (`backend_of(model)`); it holds
+    `model` and nothing that outlives a call. Subclasses set the class attributes and
+    fill the sizes in `__init__`.
+
+    **Sizes** (instance attributes): `n_layers`, `d_vocab` (width of the logits),
+    `n_ctx` (longest sequence the model takes, `None` when unbounded), `d_model`,
+    `n_kv_heads`, `d_head`, `device` and `dtype` (of the cache the model writes).
+
+    **Contract of a forward pass** ([`forward`][safelens.backends._backend.Backend.forward]):
+    new tokens `[batch, new_tokens]` go through `cache`, which holds `past` positions;
+    `attention_mask` is the *full* mask `[batch, past + new_tokens]` (0 on padding:
+    left padding in the prefix, right padding after a continuation). The model must see
+    each real token at the position HuggingFace's `generate` gives it: the number of
+    real tokens before it in its row (`attention_mask.cumsum(-1) - 1`), so that a
+    left-padded row gives the numbers of the same row unpadded. The pass stores into
+    `cache` unless it is frozen; if it raises, `cache` is as it was.
+
+    **Hooks** are `fn(tensor, hook) -> tensor | None`, TransformerLens' protocol; `hook`
+    has at least `.name`. A backend's names are its cache hook names
+    (`caches.layout.hook_name(layer, point)`) and its model's own names (TransformerLens
+    hook points; on HuggingFace models, module names). The write-time seam
+    ([`write_hook`][safelens.backends._backend.Backend.write_hook]) is the hook whose
+    tensor is the new keys/values a pass is about to store, in `caches.layout`,
+    covering only the positions that pass computes.
+
+    **Fast paths** are capabilities a backend may offer; the experiments fall back to
+    plain forward passes when a backend says it has none:
+
+    - [`forward_continuations`][safelens.backends._backend.Backend.forward_continuations]:
+      the one place a batch of continuations of a broadcast prefix is run, so a backend
+      can read the shared prefix once per layer (default: `forward`).
+    - `reuses_residuals` with `residual_hook` and `forward_from_layer`: a prefix may
+      keep the residual stream entering each layer, and a write-time ablation then
+      recomputes only the layers from the first edited one.
+    """
+
+    family: ClassVar[str]
+    caches: ClassVar[CacheOps]
+    reuses_residuals: ClassVar[bool] = False
+
+    model: Any
+    n_layers: int
+    d_vocab: int
+    n_ctx: int | None
+    d_model: int
+    n_kv_heads: int
+    d_head: int
+    device: torch.device
+    dtype: torch.dtype
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    # -- tokens -------------------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Any:
+        """The model's tokenizer, or `None` (random-weight or self-trained models)."""
+
+    @abstractmethod
+    def to_tokens(self, text: str | list[str]) -> Int[torch.Tensor, "batch pos"]:
+        """Token ids of `text` (a batch of texts left-padded), as the model's family does."""
+
+    @abstractmethod
+    def default_mask(
+        self, tokens: Int[torch.Tensor, "batch pos"]
+    ) -> Int[torch.Tensor, "batch pos"]:
+        """The attention mask of `tokens` when the caller gives none (padding from the tokenizer, else ones)."""
+
+    # -- caches and passes ----------------------------------------------------------------
+
+    @abstractmethod
+    def empty_cache(self, batch: int) -> Any:
+        """A new, empty, unfrozen cache for `batch` rows, of `caches`' class."""
+
+    @abstractmethod
+    def check_cache(self, cache: Any, what: str) -> None:
+        """Refuse a cache this model cannot read.
+
+        **Raises:** `TypeError` for a cache of another class;
+        [`CacheConfigError`][safelens.CacheConfigError] naming `what` when its layers,
+        key/value heads, `d_head` or dtype differ from the model's.
+        """
+
+    @abstractmethod
+    def forward(
+        self,
+        tokens: Int[torch.Tensor, "batch new_tokens"],
+        attention_mask: Int[torch.Tensor, "batch pos"],
+        cache: Any,
+    ) -> Float[torch.Tensor, "batch new_tokens d_vocab"]:
+        """Logits of one pass of `tokens` through `cache` (see the class notes)."""
+
+    def forward_continuations(
+        self,
+        tokens: Int[torch.Tensor, "batch new_tokens"],
+        attention_mask: Int[torch.Tensor, "batch pos"],
+        cache: Any,
+    ) -> Float[torch.Tensor, "batch new_tokens d_vocab"]:
+        """`forward` for continuations (right-padded) of a frozen cache from `expand(n)`.
+
+        The single place where a batch of continuations runs; override it to read the
+        broadcast prefix once per layer. Must give `forward`'s numbers to float rounding.
+        """
+        return self.forward(tokens, attention_mask, cache)
+
+    @abstractmethod
+    def write_hook(self, layer: int, target: Literal["keys", "values"]) -> str:
+        """The write-time seam of `layer`: the hook name whose tensor is what is stored.
+
+        `blocks.{l}.attn.hook_k` on `HookedTransformer`; the cache's own
+        `model.layers.{l}.kv_cache.hook_k_new` on HuggingFace models.
+        """
+
+    @abstractmethod
+    def pass_hooks(self, cache: Any, fwd_hooks: FwdHooks) -> AbstractContextManager[None]:
+        """Attach `fwd_hooks` (listed names only) for safelens' own passes through `cache`.
+
+        Names may be model or cache hook names. Hooks on the model act on the calling
+        thread's passes only where the family allows (say so in the subclass). Removed
+        on exit, also on error.
+        """
+
+    # -- run_with_hooks --------------------------------------------------------------------
+
+    @abstractmethod
+    def cache_hook_names(self) -> list[str]:
+        """Every cache hook name of this model, in layer order."""
+
+    @abstractmethod
+    def select_cache_hooks(self, names: NamesFilter) -> list[str]:
+        """The cache hook names `names` selects; a model hook name is a `HookError`."""
+
+    @abstractmethod
+    def hooks(
+        self, cache: Any, fwd_hooks: FwdHooks, reset_hooks_end: bool, clear_contexts: bool
+    ) -> AbstractContextManager[Any]:
+        """`run_with_hooks`' hooks: model and cache names mixed, names checked first.
+
+        Hooks attached here are removed on exit (with `reset_hooks_end`), also on
+        error; a pass that fails inside the block leaves `cache` as it was.
+
+        **Raises:** [`HookError`][safelens.HookError] for an unknown name (with near
+        matches) or a hook that is not callable; nothing is attached then.
+        """
+
+    @abstractmethod
+    def run(self, input: Any, cache: Any, forward_args: dict[str, Any]) -> Any:
+        """`run_with_hooks`' forward pass: checks `input` and `forward_args`, then runs.
+
+        `forward_args` holds `run_with_hooks`' keyword arguments (TransformerLens'
+        `forward` arguments); a family refuses, with a `ValueError` naming it, one it
+        cannot honour.
+        """
+
+    # -- the residual fast path -----------------------------------------------------------
+
+    def residual_hook(self, layer: int) -> str:
+        """The hook whose tensor is the residual stream entering `layer` `[batch, pos, d_model]`."""
+        raise NotImplementedError(f"{self.family} models do not reuse residuals")
+
+    def forward_from_layer(
+        self,
+        residual: Float[torch.Tensor, "batch new_tokens d_model"],
+        layer: int,
+        attention_mask: Int[torch.Tensor, "batch pos"],
+        cache: Any,
+    ) -> Float[torch.Tensor, "batch new_tokens d_vocab"]:
+        """Logits of a pass that starts at `layer` from `residual`, through `cache`.
+
+        `cache` holds every position in layers before `layer` (not read) and `past`
+        positions in the others; `attention_mask` is the full mask.
+        """
+        raise NotImplementedError(f"{self.family} models do not reuse residuals")
+
+
+# (class name in the MRO, its top-level module, the adapter module, the adapter class)
+_FAMILIES = (
+    ("TransformerBridge", "transformer_lens", ".bridge._backend", "BridgeBackend"),
+    ("HookedTransformer", "transformer_lens", ".hooked._backend", "HookedBackend"),
+    ("GenerationMixin", "transformers", ".hf._backend", "HFBackend"),
+)
+# (cache class name, its module, the module of its CacheOps, the CacheOps instance)
+_CACHES = (
+    ("KeyValueCache", "safelens.core._cache", ".hooked._backend", "KEY_VALUE_CACHE"),
+    ("HFKeyValueCache", "safelens.backends.hf._cache", ".hf._backend", "HF_CACHE"),
+)
+
+
+def _ancestry(obj: Any) -> set[tuple[str, str]]:
+    return {(cls.__module__, cls.__name__) for cls in type(obj).__mro__}
+
+
+def backend_of(model: Any) -> Backend:
+    """The adapter of `model`'s family, recognised without importing other families' libraries.
+
+    A `Backend` is returned as it is. The family is read from the names and modules of
+    `type(model)` and its bases (a subclass of a family's class belongs to it), and only
+    that family's adapter is imported.
+
+    **Raises:** `TypeError` for a model of no known family, listing the families.
+
+    ```python
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32,
+    ...     num_hidden_layers=1, num_attention_heads=2, vocab_size=10))
+    >>> backend = backend_of(model)
+    >>> backend.family, backend.n_layers, backend.caches.layout.shape_names()
+    ('hf', 1, '[batch, n_kv_heads, pos, d_head]')
+
+    ```
+    """
+    if isinstance(model, Backend):
+        return model
+    ancestry = _ancestry(model)
+    for name, library, module, adapter in _FAMILIES:
+        if any(n == name and m.split(".")[0] == library for m, n in ancestry):
+            backend: Backend = getattr(import_module(module, __package__), adapter)(model)
+            return backend
+    raise TypeError(
+        f"model must be a TransformerLens HookedTransformer or TransformerBridge, or a "
+        f"HuggingFace causal LM (a PreTrainedModel with generate), got "
+        f"{type(model).__module__}.{type(model).__name__}"
+    )
+
+
+def cache_ops(cache: Any, what: str = "cache") -> CacheOps:
+    """The [`CacheOps`][safelens.backends._backend.CacheOps] of `cache`'s class.
+
+    **Raises:** `TypeError` naming `what` for an object that is no safelens cache.
+
+    ```python
+    >>> cache_ops(KeyValueCache()).layout.shape_names()
+    '[batch, pos, n_kv_heads, d_head]'
+
+    ```
+    """
+    ancestry = _ancestry(cache)
+    for name, defined_in, module, ops in _CACHES:
+        if (defined_in, name) in ancestry:
+            found: CacheOps = getattr(import_module(module, __package__), ops)
+            return found
+    raise TypeError(
+        f"{what} must be a safelens KeyValueCache or HFKeyValueCache, got {type(cache).__name__}"
+    )
