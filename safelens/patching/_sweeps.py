@@ -272,7 +272,7 @@ def _sweep_function(
     patch.__name__ = patch.__qualname__ = name
     patch.__doc__ = f"""Patch {what}: TransformerLens' `patching.{name}`, batched on the cache.
 
-    Patches `{get_act_name(activation, 0).replace("0", "{{layer}}")}` from `clean_cache`
+    Patches `{get_act_name(activation, 0).replace("0", "{layer}")}` from `clean_cache`
     into the corrupted run at each [{axes}]{heads}.
 
     **Arguments:**
