@@ -32,6 +32,7 @@ from .experiments._generation import Generation, generate, sample_logits
 from .experiments._metrics import logit_diff_metric
 from .experiments._prefix import Prefix, prefill
 from .experiments._run import run_with_hooks
+from .patching._dataset import PatchingResult, patch_dataset
 from .patching._every import (
     get_act_patch_attn_head_all_pos_every,
     get_act_patch_attn_head_by_pos_every,
@@ -107,6 +108,8 @@ __all__ = [
     "get_act_patch_attn_head_by_pos_every",
     "get_act_patch_block_every",
     "logit_diff_metric",
+    "patch_dataset",
+    "PatchingResult",
     "plot_patching_heatmap",
     "PatchingError",
     "Prefix",

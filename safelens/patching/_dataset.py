@@ -1,0 +1,283 @@
+"""Patching over a dataset of prompt pairs: per-pair values, mean, standard error, bootstrap.
+
+[`patch_dataset`][safelens.patch_dataset] runs any sweep of this package (every
+`get_act_patch_*` function, `generic_activation_patch` through a `functools.partial`)
+over many clean/corrupted pairs at once: the pairs of a chunk are the sweep's
+`batch`, so each forward pass holds many patched runs of many pairs. The metric is
+*per pair*: it scores each row of the patched logits on its own, and the result keeps
+one value per pair and component, `[pairs, *grid]`, next to its mean, standard error
+and percentile-bootstrap confidence interval, all computed on the model's device.
+
+How the per-pair values find their grid cell without touching the sweep: the metric
+the sweep sees returns, per patched run, a unique run number; the sweep writes those
+numbers into its result grid exactly where it writes metric values, so the grid it
+returns is a map from cell to run, and each run's per-pair values are gathered through
+it (cells a bundle pads with zeros, such as a grouped-query model's k and v rows in
+`*_every`, stay 0). Nothing is copied to the host per patch.
+
+Caveat: the run numbers are float32 in the sweep's grid, exact below 2**24 runs per
+chunk of pairs (a grid of 16 million cells); larger grids are refused. The standard
+error is the sample one (`n - 1`); with one pair it is NaN, and so is the interval's
+width information (both bounds equal the value).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from tqdm import tqdm
+from transformer_lens import HookedTransformer
+
+from ..core._arguments import flag, positive_int
+from ..core._errors import PatchingError
+from ..core._tokens import check_tokens
+from ._inputs import DEFAULT_MAX_BYTES
+
+__all__ = ["PatchingResult", "patch_dataset"]
+
+PairMetric = Callable[
+    [Float[torch.Tensor, "rows pos d_vocab"], Int[torch.Tensor, " rows"]],
+    Float[torch.Tensor, " rows"],
+]
+_EXACT_FLOAT32 = 2**24
+
+
+@dataclass(frozen=True)
+class PatchingResult:
+    """A sweep over a dataset of prompt pairs: per-pair values and their summary.
+
+    Every tensor lies on the model's device. `grid` is the sweep's own result shape
+    (e.g. `[layer, pos, head]`).
+
+    - `per_pair`: `[pairs, *grid]`, the metric of each pair under each patch.
+    - `mean`: `[*grid]`, the mean over pairs.
+    - `std_err`: `[*grid]`, the sample standard deviation over `sqrt(pairs)` (NaN for
+      one pair).
+    - `ci_low`, `ci_high`: `[*grid]`, the percentile-bootstrap interval of the mean at
+      `confidence`, from `n_bootstrap` resamples of the pairs.
+    """
+
+    per_pair: torch.Tensor
+    mean: torch.Tensor
+    std_err: torch.Tensor
+    ci_low: torch.Tensor
+    ci_high: torch.Tensor
+    confidence: float
+    n_bootstrap: int
+
+
+class _RunNumbers:
+    """The metric the sweep sees: keeps per-pair values, returns each run's number."""
+
+    def __init__(self, metric: PairMetric, pairs: torch.Tensor, first: int) -> None:
+        self.metric = metric
+        self.pairs = pairs
+        self.next = first
+        self.values: list[torch.Tensor] = []
+        self.last_position_only = getattr(metric, "last_position_only", False) is True
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        batch = self.pairs.numel()
+        runs = logits.shape[0] // batch
+        values = self.metric(logits, self.pairs.repeat(runs))
+        if not isinstance(values, torch.Tensor) or values.numel() != runs * batch:
+            got = (
+                f"shape {tuple(values.shape)}"
+                if isinstance(values, torch.Tensor)
+                else type(values).__name__
+            )
+            raise PatchingError(
+                f"metric returned {got} for logits {tuple(logits.shape)}; expected one value "
+                f"per row, [{runs * batch}]: patch_dataset's metric scores each row (a pair "
+                "under one patch) on its own, metric(logits, pairs) -> [rows]"
+            )
+        self.values.append(values.reshape(runs, batch).float())
+        numbers = torch.arange(self.next, self.next + runs, device=logits.device)
+        self.next += runs
+        return numbers.float()
+
+
+def _pair_bytes(model: HookedTransformer, length: int) -> int:
+    """Bytes one pair's full clean `ActivationCache` takes, about."""
+    cfg = model.cfg
+    width = 12 * cfg.d_model + 2 * (cfg.d_mlp or 0) + 2 * cfg.n_heads * length
+    itemsize = torch.empty((), dtype=cfg.dtype).element_size()
+    return cfg.n_layers * length * width * itemsize
+
+
+def _tokens(model: HookedTransformer, value: Any, name: str) -> torch.Tensor:
+    tokens = check_tokens(value, model.cfg, name)
+    if tokens.dim() != 2 or tokens.shape[0] == 0:
+        raise PatchingError(
+            f"{name} must be token ids [pairs, pos] with at least one pair, got shape "
+            f"{tuple(tokens.shape)}"
+        )
+    return tokens.to(model.cfg.device)
+
+
+def patch_dataset(
+    sweep: Callable[..., torch.Tensor],
+    model: HookedTransformer,
+    clean_tokens: Int[torch.Tensor, "pairs pos"],
+    corrupted_tokens: Int[torch.Tensor, "pairs pos"],
+    metric: PairMetric,
+    *,
+    n_bootstrap: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+    max_batch: int | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    progress: bool = True,
+) -> PatchingResult:
+    """Run a patching sweep over prompt pairs; per-pair values, mean, SE and bootstrap CI.
+
+    Pair `i` patches `clean_tokens[i]`'s activations into `corrupted_tokens[i]`'s run,
+    as `sweep(model, corrupted_tokens[i:i+1], clean_cache_i, metric_i)` would, but many
+    pairs share each forward pass. Pairs are taken in chunks whose clean caches fit
+    `max_bytes` (the same budget then bounds each sweep's forward passes).
+
+    **Arguments:**
+
+    - `sweep`: a safelens sweep, e.g.
+      [`get_act_patch_attn_head_k_by_pos`][safelens.get_act_patch_attn_head_k_by_pos]
+      (any function taking `(model, corrupted_tokens, clean_cache, metric, *,
+      max_batch, max_bytes, progress)`).
+    - `model`: a `HookedTransformer`.
+    - `clean_tokens`, `corrupted_tokens`: `[pairs, pos]` token ids, one pair per row.
+    - `metric`: `metric(logits, pairs) -> [rows]`: patched logits `[rows, pos,
+      d_vocab]` and the dataset index of each row's pair `[rows]`, to one value per
+      row. With `metric.last_position_only = True` it gets the last position only.
+    - `n_bootstrap`: resamples of the pairs for the interval.
+    - `confidence`: the interval's coverage, in (0, 1).
+    - `seed`: seeds the bootstrap's resampling.
+    - `max_batch`, `max_bytes`: as in the sweeps; `max_bytes` also bounds the pairs per
+      chunk.
+    - `progress`: one progress bar over the pairs.
+
+    **Returns:** a [`PatchingResult`][safelens.PatchingResult], tensors on the model's
+    device.
+
+    **Raises:** [`TokenError`][safelens.TokenError] for token ids that do not fit the
+    model; [`PatchingError`][safelens.PatchingError] for clean and corrupted tokens of
+    different shapes, a metric that does not return one value per row, bad limits, or
+    what the sweep refuses.
+
+    ```python
+    >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
+    >>> from safelens import get_act_patch_resid_pre
+    >>> cfg = HookedTransformerConfig(n_layers=2, d_model=16, n_ctx=8, d_head=4, n_heads=4, d_vocab=11, act_fn="gelu")
+    >>> model = HookedTransformer(cfg)
+    >>> clean, corrupted = torch.tensor([[1, 2, 3], [4, 2, 3]]), torch.tensor([[1, 5, 3], [4, 6, 3]])
+    >>> metric = lambda logits, pairs: logits[:, -1, 0] - logits[:, -1, 1]
+    >>> result = patch_dataset(get_act_patch_resid_pre, model, clean, corrupted, metric, progress=False)
+    >>> result.per_pair.shape, result.mean.shape
+    (torch.Size([2, 2, 3]), torch.Size([2, 3]))
+
+    ```
+    """
+    positive_int(n_bootstrap, "n_bootstrap", error=PatchingError)
+    positive_int(max_bytes, "max_bytes", error=PatchingError)
+    flag(progress, "progress", error=PatchingError)
+    if isinstance(confidence, bool) or not isinstance(confidence, float | int):
+        raise PatchingError(f"confidence must be a float in (0, 1), got {confidence!r}")
+    if not 0 < confidence < 1:
+        raise PatchingError(f"confidence must be in (0, 1) (e.g. 0.95), got {confidence!r}")
+    if not isinstance(model, HookedTransformer):
+        raise PatchingError(f"model must be a HookedTransformer, got {type(model).__name__}")
+    clean = _tokens(model, clean_tokens, "clean_tokens")
+    corrupted = _tokens(model, corrupted_tokens, "corrupted_tokens")
+    if clean.shape != corrupted.shape:
+        raise PatchingError(
+            f"clean_tokens {tuple(clean.shape)} and corrupted_tokens "
+            f"{tuple(corrupted.shape)} must have one shape [pairs, pos]: pair i is row i of "
+            "each"
+        )
+    pairs, length = clean.shape
+    chunk = max(1, min(pairs, max_bytes // _pair_bytes(model, length)))
+    per_chunk: list[torch.Tensor] = []
+    with tqdm(total=pairs, disable=not progress, desc="pairs") as bar:
+        for start in range(0, pairs, chunk):
+            rows = torch.arange(start, min(start + chunk, pairs), device=clean.device)
+            per_chunk.append(
+                _chunk(
+                    sweep, model, clean[rows], corrupted[rows], metric, rows, max_batch, max_bytes
+                )
+            )
+            bar.update(rows.numel())
+    per_pair = torch.cat(per_chunk)
+    return _summary(per_pair, n_bootstrap, confidence, seed)
+
+
+def _chunk(
+    sweep: Callable[..., torch.Tensor],
+    model: HookedTransformer,
+    clean: torch.Tensor,
+    corrupted: torch.Tensor,
+    metric: PairMetric,
+    rows: torch.Tensor,
+    max_batch: int | None,
+    max_bytes: int,
+) -> Float[torch.Tensor, "pairs ..."]:
+    """Per-pair values `[len(rows), *grid]` of the sweep over one chunk of pairs."""
+    with torch.no_grad():
+        _, clean_cache = model.run_with_cache(clean)
+        numbered = _RunNumbers(metric, rows, 1)
+        grid = sweep(
+            model,
+            corrupted,
+            clean_cache,
+            numbered,
+            max_batch=max_batch,
+            max_bytes=max_bytes,
+            progress=False,
+        )
+    if numbered.next >= _EXACT_FLOAT32:
+        raise PatchingError(
+            f"the sweep ran {numbered.next - 1} patched runs for one chunk of pairs; "
+            f"patch_dataset numbers runs exactly up to {_EXACT_FLOAT32 - 1}. Patch a "
+            "smaller grid (generic_activation_patch with an index_df)"
+        )
+    values = torch.cat([torch.zeros(1, rows.numel(), device=grid.device)] + numbered.values)
+    return values[grid.long()].movedim(-1, 0)
+
+
+def _summary(
+    per_pair: torch.Tensor, n_bootstrap: int, confidence: float, seed: int
+) -> PatchingResult:
+    """Mean, standard error and percentile-bootstrap interval over axis 0 of `per_pair`."""
+    pairs = per_pair.shape[0]
+    flat = per_pair.reshape(pairs, -1)
+    mean = flat.mean(0)
+    if pairs > 1:
+        std_err = ((flat - mean).square().sum(0) / (pairs - 1)).sqrt() / pairs**0.5
+    else:
+        std_err = torch.full_like(mean, float("nan"))
+    generator = torch.Generator(device=flat.device).manual_seed(seed)
+    draws = torch.randint(pairs, (n_bootstrap, pairs), generator=generator, device=flat.device)
+    counts = torch.zeros(n_bootstrap, pairs, device=flat.device)
+    counts.scatter_add_(1, draws, torch.ones_like(draws, dtype=counts.dtype))
+    means = (counts @ flat).div_(pairs).sort(0).values
+    tail = (1 - confidence) / 2
+    low, high = (_quantile(means, q) for q in (tail, 1 - tail))
+    shape = per_pair.shape[1:]
+    return PatchingResult(
+        per_pair,
+        mean.reshape(shape),
+        std_err.reshape(shape),
+        low.reshape(shape),
+        high.reshape(shape),
+        float(confidence),
+        n_bootstrap,
+    )
+
+
+def _quantile(ordered: torch.Tensor, q: float) -> torch.Tensor:
+    """The `q` quantile of each column of the sorted `ordered`, linearly interpolated."""
+    where = q * (ordered.shape[0] - 1)
+    below = int(where)
+    above = min(below + 1, ordered.shape[0] - 1)
+    return torch.lerp(ordered[below], ordered[above], where - below)
