@@ -35,7 +35,7 @@ from ...core._frozen import FrozenFlag
 from ...core._hook_point import CacheHookPoint
 from ...core._storage import Sequence
 from ._hooks import FwdHooks, attached, resolve, resolve_hooks
-from ._layer import HOOK_POINTS, HFCacheLayer
+from ._layer import HOOK_POINTS, HFCacheLayer, HookNaming, check_naming
 
 __all__ = ["HFKeyValueCache"]
 
@@ -52,6 +52,9 @@ class HFKeyValueCache(Cache):
     **Raises:** [`CacheConfigError`][safelens.CacheConfigError] for a config without a
     layer count.
     - `frozen`: start frozen.
+    - `naming`: the hook names' scheme: `"hf"` for `model.layers.{layer}.kv_cache.…`,
+      `"bridge"` for `blocks.{layer}.kv_cache.…`, beside a TransformerBridge's own
+      `blocks.{layer}.…` hook names.
 
     ```python
     >>> cache = HFKeyValueCache()
@@ -64,8 +67,9 @@ class HFKeyValueCache(Cache):
 
     layers: list[HFCacheLayer]  # type: ignore[assignment]  # only ever HFCacheLayers
 
-    def __init__(self, config: Any = None, frozen: bool = False) -> None:
+    def __init__(self, config: Any = None, frozen: bool = False, naming: HookNaming = "hf") -> None:
         super().__init__(layers=[])
+        self.naming = check_naming(naming)
         if config is not None:
             text = (
                 config.get_text_config(decoder=True)
@@ -80,7 +84,7 @@ class HFKeyValueCache(Cache):
 
     def _grow(self, n_layers: int) -> None:
         while len(self.layers) < n_layers:
-            self.layers.append(HFCacheLayer(len(self.layers)))
+            self.layers.append(HFCacheLayer(len(self.layers), naming=self.naming))
 
     # -- the seam ---------------------------------------------------------------------
 
@@ -114,7 +118,9 @@ class HFKeyValueCache(Cache):
         if self._frozen:
             # A frozen cache is never changed, not even by adding a layer.
             exists = layer_idx < len(self.layers)
-            layer = self.layers[layer_idx] if exists else HFCacheLayer(layer_idx)
+            layer = (
+                self.layers[layer_idx] if exists else HFCacheLayer(layer_idx, naming=self.naming)
+            )
             return layer.update(key_states, value_states, store=False)
         if self._pass is None or layer_idx <= self._last_layer:
             self._pass = self._snapshot()
@@ -190,7 +196,7 @@ class HFKeyValueCache(Cache):
     # -- branching (never mutates this cache) ------------------------------------------
 
     def _derived(self, op: Callable[[Sequence], Sequence]) -> HFKeyValueCache:
-        result = HFKeyValueCache()
+        result = HFKeyValueCache(naming=self.naming)
         result.layers.extend(layer.derived(op) for layer in self.layers)
         return result
 
@@ -377,7 +383,7 @@ class HFKeyValueCache(Cache):
     # -- hook points ------------------------------------------------------------------
 
     def hook_points(self) -> dict[str, CacheHookPoint]:
-        """Every hook point of every layer, by name (`model.layers.{l}.kv_cache.…`)."""
+        """Every hook point of every layer, by name (`model.layers.{l}.kv_cache.…` or `blocks.…`)."""
         points = (getattr(layer, point) for layer in self.layers for point in HOOK_POINTS)
         return {point.name: point for point in points}
 
@@ -392,7 +398,7 @@ class HFKeyValueCache(Cache):
         """
         if not isinstance(name, str):
             raise HookError(f"name must be a hook name (a str), got {type(name).__name__}")
-        ((layer, point),) = resolve(name, self.layers)
+        ((layer, point),) = resolve(name, self.layers, self.naming)
         self._grow(layer + 1)
         hook_point: CacheHookPoint = getattr(self.layers[layer], point)
         return hook_point
@@ -408,7 +414,7 @@ class HFKeyValueCache(Cache):
         **Raises:** [`HookError`][safelens.HookError] for an unknown name or a hook that
         is not callable; nothing is attached then.
         """
-        chosen = resolve_hooks(fwd_hooks, self.layers)
+        chosen = resolve_hooks(fwd_hooks, self.layers, self.naming)
         self._grow(1 + max((layer for layer, _, _ in chosen), default=-1))
         self._level += 1
         points = [(getattr(self.layers[layer], point), fn) for layer, point, fn in chosen]

@@ -7,10 +7,12 @@ n_kv_heads, d_head]`: a `Sequence` grows along axis 1, and the transpose between
 layouts is a free view, so appends stay amortised O(1) and branches share storage
 copy-on-write, exactly as in [`KeyValueCache`][safelens.KeyValueCache].
 
-The four hook points see HuggingFace's head-major layout, what `update` receives and
-returns: `hook_k_new`/`hook_v_new` the new post-rotary keys/values, whose results are
-stored (write-time); `hook_k_full`/`hook_v_full` a copy of all cached plus new
-keys/values handed to attention, never stored (read-time). With grouped-query attention
+The four hook points are named `model.layers.{layer}.kv_cache.…` (`naming="hf"`) or,
+for a cache used through a TransformerBridge, `blocks.{layer}.kv_cache.…`
+(`naming="bridge"`, the bridge's own scheme). They see HuggingFace's head-major layout,
+what `update` receives and returns: `hook_k_new`/`hook_v_new` the new post-rotary
+keys/values, whose results are stored (write-time); `hook_k_full`/`hook_v_full` a copy
+of all cached plus new keys/values handed to attention, never stored (read-time). With grouped-query attention
 the heads axis has `num_key_value_heads` entries.
 
 Caveat: a layer stores everything it is given and evicts nothing, also for sliding-window
@@ -21,7 +23,7 @@ length), so results equal the uncached forward at the cost of memory.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from jaxtyping import Float
@@ -31,14 +33,30 @@ from ...core._errors import CacheShapeError
 from ...core._hook_point import CacheHookPoint
 from ...core._storage import Sequence
 
-__all__ = ["HFCacheLayer", "hf_hook_name", "HOOK_POINTS"]
+__all__ = ["HFCacheLayer", "HookNaming", "hf_hook_name", "HOOK_POINTS", "HOOK_PREFIXES"]
 
 HOOK_POINTS = ("hook_k_new", "hook_v_new", "hook_k_full", "hook_v_full")
+HookNaming = Literal["hf", "bridge"]
+HOOK_PREFIXES: dict[str, str] = {"hf": "model.layers", "bridge": "blocks"}
 
 
-def hf_hook_name(layer: int, point: str) -> str:
-    """The name of hook point `point` of layer `layer`: `model.layers.{layer}.kv_cache.{point}`."""
-    return f"model.layers.{layer}.kv_cache.{point}"
+def hf_hook_name(layer: int, point: str, naming: HookNaming = "hf") -> str:
+    """The name of hook point `point` of layer `layer`: `{prefix}.{layer}.kv_cache.{point}`.
+
+    The prefix is `model.layers` for `naming="hf"`, `blocks` for `naming="bridge"`.
+    """
+    return f"{HOOK_PREFIXES[naming]}.{layer}.kv_cache.{point}"
+
+
+def check_naming(naming: Any) -> HookNaming:
+    """`naming` if it is a hook naming scheme, else a `ValueError` listing them."""
+    if naming not in get_args(HookNaming):
+        raise ValueError(
+            f"naming must be one of {get_args(HookNaming)} (cache hook names "
+            f"model.layers.{{layer}}.kv_cache.… or blocks.{{layer}}.kv_cache.…), got {naming!r}"
+        )
+    result: HookNaming = naming
+    return result
 
 
 class HFCacheLayer(CacheLayerMixin):
@@ -49,6 +67,7 @@ class HFCacheLayer(CacheLayerMixin):
     - `layer`: the layer index, used in hook names and error messages.
     - `keys`, `values`: `Sequence`s of `[batch, pos, n_kv_heads, d_head]`, or `None` for
       a layer that has seen nothing yet.
+    - `naming`: the hook naming scheme, `"hf"` or `"bridge"` (see `hf_hook_name`).
     """
 
     is_sliding = False
@@ -62,13 +81,18 @@ class HFCacheLayer(CacheLayerMixin):
 
     # CacheLayerMixin.__init__ is not called: it sets `keys`/`values`, properties here.
     def __init__(
-        self, layer: int, keys: Sequence | None = None, values: Sequence | None = None
+        self,
+        layer: int,
+        keys: Sequence | None = None,
+        values: Sequence | None = None,
+        naming: HookNaming = "hf",
     ) -> None:
         self.layer = layer
+        self.naming = naming
         self._keys = keys
         self._values = values
         for point in HOOK_POINTS:
-            setattr(self, point, CacheHookPoint(hf_hook_name(layer, point)))
+            setattr(self, point, CacheHookPoint(hf_hook_name(layer, point, naming)))
 
     def __repr__(self) -> str:
         return f"HFCacheLayer(layer={self.layer}, length={self.get_seq_length()})"
@@ -196,8 +220,8 @@ class HFCacheLayer(CacheLayerMixin):
     def derived(self, op: Callable[[Sequence], Sequence]) -> HFCacheLayer:
         """A new layer whose storage is `op` of this one's, with empty hook points."""
         if self._keys is None or self._values is None:
-            return HFCacheLayer(self.layer)
-        return HFCacheLayer(self.layer, op(self._keys), op(self._values))
+            return HFCacheLayer(self.layer, naming=self.naming)
+        return HFCacheLayer(self.layer, op(self._keys), op(self._values), self.naming)
 
     def replace(self, op: Callable[[Sequence], Sequence]) -> None:
         """In place: this layer's storage becomes `op` of it (hooks stay attached)."""
