@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -49,3 +52,69 @@ def test_page_code_runs(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPa
                 f"{type(error).__name__}: {error}\n--- block {index} ---\n{block}"
             )
     plt.close("all")
+
+
+API_PAGES = sorted((ROOT / "docs" / "api").glob("*.md")) + [ROOT / "docs" / "api.md"]
+DIRECTIVE = re.compile(r"^:::[ \t]+(\S+)", re.M)
+
+
+def undocumented(names: list[str], module: object, pages: list[str]) -> list[str]:
+    """The names of `module` that no `::: safelens.<name>` directive in `pages` renders.
+
+    A name that is another documented name's object under a second name (an alias such
+    as `TransformerLensKeyValueCache`) counts as documented when a page names it.
+    """
+    rendered = {
+        path.removeprefix("safelens.")
+        for page in pages
+        for path in DIRECTIVE.findall(page)
+        if path.startswith("safelens.")
+    }
+    text = "\n".join(pages)
+    missing = []
+    for name in names:
+        if name in rendered:
+            continue
+        obj = getattr(module, name)
+        aliased = any(getattr(module, other, None) is obj for other in rendered if "." not in other)
+        if not (aliased and f"`safelens.{name}`" in text):
+            missing.append(name)
+    return missing
+
+
+def test_undocumented_finds_a_missing_name_and_accepts_a_named_alias() -> None:
+    import types
+
+    module = types.SimpleNamespace(f=len, g=abs, alias=len, other=len)
+    pages = ["::: safelens.f\n\n| `safelens.alias` | is `f` |\n"]
+    assert undocumented(["f", "g", "alias", "other"], module, pages) == ["g", "other"]
+
+
+def test_api_reference_documents_every_public_name() -> None:
+    import safelens
+
+    pages = [page.read_text() for page in API_PAGES]
+    missing = undocumented(list(safelens.__all__), safelens, pages)
+    assert not missing, (
+        f"safelens.__all__ names missing from the API reference (docs/api/*.md): {missing}; "
+        "add a `::: safelens.<name>` directive to the page of its concept"
+    )
+
+
+def test_api_reference_renders_factory_made_sweeps(tmp_path: Path) -> None:
+    # mkdocstrings' static analysis sees `get_act_patch_resid_pre = _sweep_function(...)`
+    # as an attribute; docs/_ext/factory_functions.py documents it as the function it is.
+    site = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(site)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    page = (site / "api" / "patching" / "index.html").read_text()
+    text = re.sub(r"<[^>]+>", "", page)
+    for name in ("get_act_patch_resid_pre", "get_act_patch_attn_head_v_all_pos"):
+        assert re.search(rf"{name}\(\s*model: HookedTransformer,", text), name
+    assert "Patch each head's values at all positions" in text
+    assert "_sweep_function(" not in text
