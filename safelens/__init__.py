@@ -32,6 +32,7 @@ from .experiments._generation import Generation, generate, sample_logits
 from .experiments._metrics import logit_diff_metric
 from .experiments._prefix import Prefix, prefill
 from .experiments._run import run_with_hooks
+from .patching._attribution import AttributionResult, attribution_patch
 from .patching._dataset import PatchingResult, patch_dataset
 from .patching._every import (
     get_act_patch_attn_head_all_pos_every,
@@ -110,6 +111,8 @@ __all__ = [
     "logit_diff_metric",
     "patch_dataset",
     "PatchingResult",
+    "attribution_patch",
+    "AttributionResult",
     "plot_patching_heatmap",
     "PatchingError",
     "Prefix",

@@ -1,0 +1,173 @@
+"""`attribution_patch` against the exact sweeps and against plain autograd in TransformerLens.
+
+Where the metric is linear in the patched activation from the patch on, the estimate is
+exact: values and head outputs of the last layer of an attention-only model without
+LayerNorm, read by a linear metric; with the QK fix, keys and queries of a one-layer
+such model too. Those cases are compared with TransformerLens' own exact patching.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import transformer_lens.patching as tl_patching
+from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+from safelens import AttributionResult, PatchingError, attribution_patch
+from tests.models import make_model, tokens
+
+EXACT = {
+    "k": tl_patching.get_act_patch_attn_head_k_by_pos,
+    "v": tl_patching.get_act_patch_attn_head_v_by_pos,
+    "q": tl_patching.get_act_patch_attn_head_q_by_pos,
+    "z": tl_patching.get_act_patch_attn_head_out_by_pos,
+}
+
+
+@functools.cache
+def linear_model(n_layers: int, positional: str = "standard", n_kv_heads: int | None = None):
+    """Attention-only, no LayerNorm: the logits are linear in the last layer's pattern."""
+    cfg = HookedTransformerConfig(
+        n_layers=n_layers,
+        d_model=32,
+        n_ctx=32,
+        d_head=8,
+        n_heads=4,
+        n_key_value_heads=n_kv_heads,
+        d_vocab=23,
+        attn_only=True,
+        normalization_type=None,
+        positional_embedding_type=positional,
+        seed=3,
+        device="cpu",
+    )
+    model = HookedTransformer(cfg)
+    with torch.no_grad():  # larger queries and keys: sharper, saturating attention
+        for block in model.blocks:
+            block.attn.W_Q.mul_(8.0)
+            block.attn.W_K.mul_(8.0)
+    return model.eval()
+
+
+def linear_metric(logits: torch.Tensor) -> torch.Tensor:
+    weights = torch.linspace(-1.0, 1.0, logits.shape[-1])
+    return (logits[:, -1] * weights).sum()
+
+
+def setup(model, batch: int = 2, length: int = 7):
+    clean = tokens(batch, length, seed=11) % model.cfg.d_vocab
+    corrupted = tokens(batch, length, seed=12) % model.cfg.d_vocab
+    _, clean_cache = model.run_with_cache(clean)
+    return corrupted, clean_cache
+
+
+@pytest.mark.parametrize("name", ["v", "z"])
+def test_last_layer_values_and_outputs_are_exact_under_a_linear_metric(name: str) -> None:
+    model = linear_model(2)
+    corrupted, clean_cache = setup(model)
+    result = attribution_patch(model, corrupted, clean_cache, linear_metric, activations=[name])
+    exact = EXACT[name](model, corrupted, clean_cache, linear_metric)
+    assert result.estimates[name].shape == exact.shape
+    torch.testing.assert_close(result.estimates[name][-1], exact[-1], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(result.estimates[name][0], exact[0], atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("positional", "n_kv_heads"), [("standard", None), ("rotary", None), ("rotary", 2)]
+)
+@pytest.mark.parametrize("name", ["k", "q"])
+def test_qk_fix_is_exact_for_a_one_layer_attention_only_model(
+    name: str, positional: str, n_kv_heads: int | None
+) -> None:
+    model = linear_model(1, positional, n_kv_heads)
+    corrupted, clean_cache = setup(model)
+    exact = EXACT[name](model, corrupted, clean_cache, linear_metric)
+    fixed = attribution_patch(model, corrupted, clean_cache, linear_metric, activations=[name])
+    plain = attribution_patch(
+        model, corrupted, clean_cache, linear_metric, activations=[name], qk_fix=False
+    )
+    assert fixed.estimates[name].shape == exact.shape
+    torch.testing.assert_close(fixed.estimates[name], exact, atol=1e-4, rtol=1e-4)
+    # Without the fix the softmax is linearised, and these sharp heads saturate: its
+    # largest error is a sizeable share of the largest effect.
+    largest_effect = (exact - fixed.baseline).abs().max()
+    assert (plain.estimates[name] - exact).abs().max() > 0.05 * largest_effect
+
+
+def test_verification_returns_the_exact_values_of_the_top_k_estimates() -> None:
+    model = make_model(n_kv_heads=2)
+    corrupted, clean_cache = setup(model)
+    result = attribution_patch(
+        model, corrupted, clean_cache, linear_metric, activations=["k", "z"], verify_top_k=5
+    )
+    assert isinstance(result, AttributionResult)
+    for name in ("k", "z"):
+        exact = EXACT[name](model, corrupted, clean_cache, linear_metric)
+        verified = result.exact[name].isfinite()
+        assert int(verified.sum()) == 5
+        effect = (result.estimates[name] - result.baseline).abs()
+        assert effect[verified].min() >= effect[~verified].max()
+        torch.testing.assert_close(
+            result.exact[name][verified], exact[verified], atol=1e-4, rtol=1e-4
+        )
+
+
+def test_first_order_estimates_equal_autograd_through_transformer_lens_without_a_cache() -> None:
+    model = make_model(positional="rotary")
+    corrupted, clean_cache = setup(model)
+    result = attribution_patch(model, corrupted, clean_cache, linear_metric, qk_fix=False)
+    names = [f"blocks.{layer}.attn.hook_{n}" for layer in range(2) for n in "kvqz"]
+    captured: dict[str, torch.Tensor] = {}
+
+    def keep(tensor: torch.Tensor, hook) -> None:
+        captured[hook.name] = tensor
+
+    with torch.enable_grad():
+        embed = model.embed.W_E
+        embed.requires_grad_(True)
+        try:
+            logits = model.run_with_hooks(corrupted, fwd_hooks=[(n, keep) for n in names])
+            grads = torch.autograd.grad(linear_metric(logits), [captured[n] for n in names])
+        finally:
+            embed.requires_grad_(True)
+        baseline = linear_metric(logits).detach()
+    for name, grad in zip(names, grads, strict=True):
+        layer, activation = int(name.split(".")[1]), name[-1]
+        delta = clean_cache[name] - captured[name].detach()
+        expected = (grad * delta).sum(dim=(0, 3)) + baseline
+        torch.testing.assert_close(
+            result.estimates[activation][layer], expected, atol=1e-4, rtol=1e-4
+        )
+
+
+def test_the_model_keeps_no_hooks_and_no_gradients() -> None:
+    model = make_model()
+    corrupted, clean_cache = setup(model)
+    attribution_patch(model, corrupted, clean_cache, linear_metric, verify_top_k=2)
+    assert all(not point._forward_hooks for point in model.hook_dict.values())
+    assert all(parameter.grad is None for parameter in model.parameters())
+
+
+def test_bad_inputs_are_refused_naming_them() -> None:
+    model = make_model()
+    corrupted, clean_cache = setup(model)
+    with pytest.raises(PatchingError, match=r"activations must be .*got \['x'\]"):
+        attribution_patch(model, corrupted, clean_cache, linear_metric, activations=["x"])
+    with pytest.raises(PatchingError, match=r"returned shape \(2,\)"):
+        attribution_patch(model, corrupted, clean_cache, lambda logits: logits[:, -1, 0])
+    with pytest.raises(PatchingError, match="does not depend differentiably"):
+        attribution_patch(
+            model, corrupted, clean_cache, lambda logits: logits[:, -1].argmax().float()
+        )
+    partial = {name: value for name, value in clean_cache.items() if "hook_v" not in name}
+    with pytest.raises(
+        PatchingError, match=r"clean_cache has no activation 'blocks.0.attn.hook_v'"
+    ):
+        attribution_patch(model, corrupted, partial, linear_metric)
+    _, shorter = model.run_with_cache(tokens(2, 5))
+    with pytest.raises(PatchingError, match=r"expected \[batch=2 or 1, 7, 4, 16\]"):
+        attribution_patch(model, corrupted, shorter, linear_metric)
+    with pytest.raises(PatchingError, match="verify_top_k"):
+        attribution_patch(model, corrupted, clean_cache, linear_metric, verify_top_k=-1)
