@@ -1,14 +1,9 @@
 """safelens: a TransformerLens-compatible key/value cache for interpretability work."""
 
+from importlib import import_module
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-from .backends.hooked._hooks import (
-    add_hook,
-    cache_hook_names,
-    hooks,
-    reset_hooks,
-)
-from .backends.hooked._shared_attention import shared_prefix_attention
 from .core._cache import KeyValueCache
 from .core._cache_entry import KeyValueCacheEntry
 from .core._config import CacheDimensions, parse_dtype
@@ -32,55 +27,117 @@ from .experiments._generation import Generation, generate, sample_logits
 from .experiments._metrics import logit_diff_metric
 from .experiments._prefix import Prefix, prefill
 from .experiments._run import run_with_hooks
-from .patching._attribution import AttributionResult, attribution_patch
-from .patching._dataset import PatchingResult, patch_dataset
-from .patching._every import (
-    get_act_patch_attn_head_all_pos_every,
-    get_act_patch_attn_head_by_pos_every,
-    get_act_patch_block_every,
-)
-from .patching._patterns import (
-    get_act_patch_attn_head_pattern_all_pos,
-    get_act_patch_attn_head_pattern_by_pos,
-    get_act_patch_attn_head_pattern_dest_src_pos,
-)
 from .patching._plotting import plot_patching_heatmap
-from .patching._sweeps import (
-    generic_activation_patch,
-    get_act_patch_attn_head_k_all_pos,
-    get_act_patch_attn_head_k_by_pos,
-    get_act_patch_attn_head_out_all_pos,
-    get_act_patch_attn_head_out_by_pos,
-    get_act_patch_attn_head_q_all_pos,
-    get_act_patch_attn_head_q_by_pos,
-    get_act_patch_attn_head_v_all_pos,
-    get_act_patch_attn_head_v_by_pos,
-    get_act_patch_attn_out,
-    get_act_patch_mlp_out,
-    get_act_patch_resid_mid,
-    get_act_patch_resid_pre,
-)
 
 if TYPE_CHECKING:
     from .backends.hf._cache import HFKeyValueCache
     from .backends.hf._model import hf_cache_argument
+    from .backends.hooked._hooks import add_hook, cache_hook_names, hooks, reset_hooks
+    from .backends.hooked._shared_attention import shared_prefix_attention
+    from .patching._attribution import AttributionResult, attribution_patch
+    from .patching._dataset import PatchingResult, patch_dataset
+    from .patching._every import (
+        get_act_patch_attn_head_all_pos_every,
+        get_act_patch_attn_head_by_pos_every,
+        get_act_patch_block_every,
+    )
+    from .patching._patterns import (
+        get_act_patch_attn_head_pattern_all_pos,
+        get_act_patch_attn_head_pattern_by_pos,
+        get_act_patch_attn_head_pattern_dest_src_pos,
+    )
+    from .patching._sweeps import (
+        generic_activation_patch,
+        get_act_patch_attn_head_k_all_pos,
+        get_act_patch_attn_head_k_by_pos,
+        get_act_patch_attn_head_out_all_pos,
+        get_act_patch_attn_head_out_by_pos,
+        get_act_patch_attn_head_q_all_pos,
+        get_act_patch_attn_head_q_by_pos,
+        get_act_patch_attn_head_v_all_pos,
+        get_act_patch_attn_head_v_by_pos,
+        get_act_patch_attn_out,
+        get_act_patch_mlp_out,
+        get_act_patch_resid_mid,
+        get_act_patch_resid_pre,
+    )
 
-# The HuggingFace backend is imported on first use, so `import safelens` needs no transformers.
-_LAZY = {"HFKeyValueCache": ".backends.hf._cache", "hf_cache_argument": ".backends.hf._model"}
+# Imported on first use, so that `import safelens` works with transformers alone: the
+# HuggingFace backend, and what needs TransformerLens' HookedTransformer, which
+# TransformerLens 4 removed (its adapter, shared-prefix attention, the patching sweeps).
+_LAZY_MODULES = {
+    ".backends.hf._cache": ("HFKeyValueCache",),
+    ".backends.hf._model": ("hf_cache_argument",),
+    ".backends.hooked._hooks": ("add_hook", "cache_hook_names", "hooks", "reset_hooks"),
+    ".backends.hooked._shared_attention": ("shared_prefix_attention",),
+    ".patching._attribution": ("AttributionResult", "attribution_patch"),
+    ".patching._dataset": ("PatchingResult", "patch_dataset"),
+    ".patching._every": (
+        "get_act_patch_attn_head_all_pos_every",
+        "get_act_patch_attn_head_by_pos_every",
+        "get_act_patch_block_every",
+    ),
+    ".patching._patterns": (
+        "get_act_patch_attn_head_pattern_all_pos",
+        "get_act_patch_attn_head_pattern_by_pos",
+        "get_act_patch_attn_head_pattern_dest_src_pos",
+    ),
+    ".patching._sweeps": (
+        "generic_activation_patch",
+        "get_act_patch_attn_head_k_all_pos",
+        "get_act_patch_attn_head_k_by_pos",
+        "get_act_patch_attn_head_out_all_pos",
+        "get_act_patch_attn_head_out_by_pos",
+        "get_act_patch_attn_head_q_all_pos",
+        "get_act_patch_attn_head_q_by_pos",
+        "get_act_patch_attn_head_v_all_pos",
+        "get_act_patch_attn_head_v_by_pos",
+        "get_act_patch_attn_out",
+        "get_act_patch_mlp_out",
+        "get_act_patch_resid_mid",
+        "get_act_patch_resid_pre",
+    ),
+}
+_LAZY = {name: module for module, names in _LAZY_MODULES.items() for name in names}
+
+
+def _missing_library(name: str, error: ImportError) -> str | None:
+    """What to install for lazy name `name` whose module failed with `error`, if known."""
+    frame = error.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    raised_in = "" if frame is None else frame.tb_frame.f_globals.get("__name__", "")
+    libraries = {(error.name or "").partition(".")[0], raised_in.partition(".")[0]}
+    if "transformers" in libraries:
+        return f"safelens.{name} needs the transformers package: pip install 'safelens[hf]'"
+    if "transformer_lens" in libraries:
+        try:
+            installed = f"TransformerLens {version('transformer-lens')} is installed"
+        except PackageNotFoundError:
+            installed = "TransformerLens is not installed"
+        return (
+            f"safelens.{name} needs TransformerLens' HookedTransformer, which TransformerLens "
+            f"4 removed ({installed}): pip install 'transformer-lens>=3.9,<4'. On "
+            "TransformerLens 4, run the experiments on a TransformerBridge"
+        )
+    return None
 
 
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'safelens' has no attribute {name!r}")
-    from importlib import import_module
-
     try:
         module = import_module(_LAZY[name], __name__)
-    except ModuleNotFoundError as error:
-        raise ImportError(
-            f"safelens.{name} needs the transformers package: pip install 'safelens[hf]'"
-        ) from error
+    except ImportError as error:
+        message = _missing_library(name, error)
+        if message is None:
+            raise
+        raise ImportError(message) from error
     return getattr(module, name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 TransformerLensKeyValueCache = KeyValueCache
