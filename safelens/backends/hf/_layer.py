@@ -32,6 +32,7 @@ from transformers.cache_utils import CacheLayerMixin
 from ...core._errors import CacheShapeError
 from ...core._hook_point import CacheHookPoint
 from ...core._storage import Sequence
+from ._shared_attention import note_read
 
 __all__ = ["HFCacheLayer", "HookNaming", "hf_hook_name", "HOOK_POINTS", "HOOK_PREFIXES"]
 
@@ -180,6 +181,9 @@ class HFCacheLayer(CacheLayerMixin):
             full_keys = self.hook_k_full(full_keys.clone())
         if self.hook_v_full.fwd_hooks:
             full_values = self.hook_v_full(full_values.clone())
+        # Under `shared_prefix`, attention may read a broadcast prefix from storage instead.
+        exact = not (self.hook_k_full.fwd_hooks or self.hook_v_full.fwd_hooks)
+        note_read(self._keys, self._values, full_keys, full_values, exact)
         return full_keys, full_values
 
     def _fit(self, name: str, new: Any, held: Sequence | None) -> torch.Tensor:

@@ -1,0 +1,216 @@
+"""`shared_prefix`: HF attention that reads a broadcast prefix once, against HF's own.
+
+References are HuggingFace itself on tiny random-weight models of every family: the
+same cached forward without the block (the model's own attention function, `sdpa` or
+eager), and the uncached forward of prefix + continuation. Each exactness test also
+checks that the shared read ran, so a silent fallback cannot pass it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hf_models import CONFIGS, ids, model, run
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
+
+import safelens.backends.hf._shared_attention as shared_module
+from safelens import CacheConfigError
+from safelens.backends.hf._cache import HFKeyValueCache
+from safelens.backends.hf._shared_attention import shared_prefix
+
+PREFIX, ROWS, NEW = 9, 3, 4  # past the window of 4 of Mistral and Gemma-2
+
+
+@pytest.fixture
+def shared_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The ids of the threads that ran the shared read, one entry per attention call."""
+    calls: list[int] = []
+    original = shared_module._shared_read
+
+    def counted(*args, **kwargs):
+        calls.append(threading.get_ident())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(shared_module, "_shared_read", counted)
+    return calls
+
+
+def case(name: str, dtype: torch.dtype = torch.float32, freeze: bool = True):
+    """A left-padded prefix broadcast to ROWS rows, ragged continuations and their mask."""
+    lm = model(name, dtype)
+    prompt = ids(1, PREFIX)
+    prefix_mask = torch.ones(1, PREFIX, dtype=torch.long)
+    prefix_mask[0, :2] = 0
+    prefix = HFKeyValueCache(lm.config)
+    with torch.no_grad():
+        run(lm, prompt, prefix, attention_mask=prefix_mask)
+    rows = prefix.expand(ROWS)
+    if freeze:
+        rows.freeze()
+    continuations = ids(ROWS, NEW, seed=2)
+    mask = torch.cat([prefix_mask.expand(ROWS, -1), torch.ones(ROWS, NEW, dtype=torch.long)], 1)
+    mask[1, -1] = 0  # a ragged (right-padded) continuation
+    return lm, prompt, rows, continuations, mask
+
+
+def attention_outputs(lm: torch.nn.Module, call) -> list[torch.Tensor]:
+    """The output of every attention module during `call()`."""
+    outputs: list[torch.Tensor] = []
+    modules = [m for m in lm.modules() if type(m).__name__.endswith("Attention")]
+    handles = [m.register_forward_hook(lambda _m, _i, out: outputs.append(out[0])) for m in modules]
+    try:
+        with torch.no_grad():
+            call()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(outputs) == len(modules) == 2
+    return outputs
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("freeze", [True, False])
+def test_equals_the_models_own_attention_and_the_uncached_forward(name, freeze, shared_reads):
+    lm, prompt, rows, continuations, mask = case(name, freeze=freeze)
+    own = rows.fork() if not freeze else rows
+    expected = attention_outputs(lm, lambda: run(lm, continuations, own, attention_mask=mask))
+    logits: list[torch.Tensor] = []
+
+    def shared_call():
+        with shared_prefix(lm):
+            logits.append(run(lm, continuations, rows, attention_mask=mask))
+
+    got = attention_outputs(lm, shared_call)
+    assert len(shared_reads) == 2
+    for ours, theirs in zip(got, expected, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        whole = torch.cat([prompt.expand(ROWS, -1), continuations], dim=1)
+        uncached = run(lm, whole, attention_mask=mask)[:, PREFIX:]
+    real = mask[:, PREFIX:].bool()
+    torch.testing.assert_close(logits[0][real], uncached[real], atol=1e-5, rtol=1e-5)
+    if not freeze:
+        assert rows.get_seq_length() == PREFIX + NEW
+        torch.testing.assert_close(rows.layers[1].keys, own.layers[1].keys, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_bfloat16_equals_the_models_own_attention(name, shared_reads):
+    lm, _, rows, continuations, mask = case(name, torch.bfloat16)
+    expected = attention_outputs(lm, lambda: run(lm, continuations, rows, attention_mask=mask))
+
+    def shared_call():
+        with shared_prefix(lm):
+            run(lm, continuations, rows, attention_mask=mask)
+
+    got = attention_outputs(lm, shared_call)
+    assert len(shared_reads) == 2
+    for ours, theirs in zip(got, expected, strict=True):
+        assert ours.dtype == torch.bfloat16
+        # bfloat16 keeps 8 bits: the two differ by the rounding of differently split sums.
+        torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=2e-2)
+
+
+def test_one_new_token_without_a_mask_reads_every_position(shared_reads):
+    lm = model("llama")
+    prefix = HFKeyValueCache(lm.config)
+    with torch.no_grad():
+        run(lm, ids(1, PREFIX), prefix)
+        rows = prefix.expand(ROWS)
+        rows.freeze()
+        token = ids(ROWS, 1, seed=3)
+        expected = run(lm, token, rows)
+        with shared_prefix(lm):
+            got = run(lm, token, rows)
+    assert len(shared_reads) == 2
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_calls_it_does_not_handle_run_the_models_own_attention(shared_reads):
+    lm, _, rows, continuations, mask = case("llama")
+    with torch.no_grad():
+        expected = run(lm, continuations, rows, attention_mask=mask)
+        with shared_prefix(lm):
+            # Not broadcast: rows of storage of their own.
+            run(lm, continuations, rows.select([0, 1, 2]), attention_mask=mask)
+            # Attention weights asked for.
+            out = lm(continuations, cache=rows, attention_mask=mask, output_attentions=True)
+    assert shared_reads == []
+    torch.testing.assert_close(out.logits, expected, atol=1e-6, rtol=0)
+    embeddings = lm.get_input_embeddings()(continuations).detach().requires_grad_()
+    with torch.enable_grad(), shared_prefix(lm):
+        # Gradients to record: the queries require them.
+        lm(inputs_embeds=embeddings, cache=rows, attention_mask=mask).logits.sum().backward()
+    assert shared_reads == [] and embeddings.grad is not None
+
+
+def test_a_read_time_hook_is_applied_by_the_models_own_attention(shared_reads):
+    lm, _, rows, continuations, mask = case("qwen2")
+    hooks = [("model.layers.1.kv_cache.hook_v_full", lambda v, hook: v * 0)]
+    with torch.no_grad():
+        with rows.hooks(hooks):
+            expected = run(lm, continuations, rows, attention_mask=mask)
+        with shared_prefix(lm), rows.hooks(hooks):
+            got = run(lm, continuations, rows, attention_mask=mask)
+    assert len(shared_reads) == 1  # layer 0 only
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def registries() -> tuple[dict, dict]:
+    return dict(AttentionInterface._global_mapping), dict(AttentionMaskInterface._global_mapping)
+
+
+def test_config_and_registries_are_restored_on_exit_and_on_error():
+    lm, gemma = model("llama"), model("gemma2")
+    before = registries()
+    with shared_prefix(lm), shared_prefix(gemma), shared_prefix(lm):
+        assert lm.config._attn_implementation == "safelens_shared_prefix_sdpa"
+        assert gemma.config._attn_implementation == "safelens_shared_prefix_eager"
+    assert (lm.config._attn_implementation, gemma.config._attn_implementation) == (
+        "sdpa",
+        "eager",
+    )
+    assert registries() == before
+    with pytest.raises(KeyboardInterrupt), shared_prefix(lm):
+        raise KeyboardInterrupt
+    assert lm.config._attn_implementation == "sdpa" and registries() == before
+    assert shared_module._THREAD.inside == {} and shared_module._THREAD.read is None
+
+
+def test_refuses_a_model_that_is_not_a_huggingface_model():
+    with pytest.raises(CacheConfigError, match="model must be a HuggingFace model.*got Linear"):
+        with shared_prefix(torch.nn.Linear(2, 2)):
+            pass
+
+
+def test_only_the_thread_inside_the_block_reads_the_prefix_shared(shared_reads):
+    lm, _, rows, continuations, mask = case("mistral")
+    with torch.no_grad():
+        expected = run(lm, continuations, rows, attention_mask=mask)
+    entered, done = threading.Event(), threading.Event()
+    results: dict[str, torch.Tensor] = {}
+
+    def inside():
+        with torch.no_grad(), shared_prefix(lm):
+            entered.set()
+            done.wait(timeout=30)
+            results["inside"] = run(lm, continuations, rows, attention_mask=mask)
+
+    thread = threading.Thread(target=inside)
+    thread.start()
+    assert entered.wait(timeout=30)
+    try:
+        assert lm.config._attn_implementation == "safelens_shared_prefix_sdpa"
+        with torch.no_grad():
+            results["outside"] = run(lm, continuations, rows, attention_mask=mask)
+        assert shared_reads == []  # the outside call ran while the block was held
+    finally:
+        done.set()
+        thread.join(timeout=30)
+    assert set(shared_reads) == {thread.ident} and len(shared_reads) == 2
+    assert lm.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(results["outside"], expected, atol=0, rtol=0)
+    torch.testing.assert_close(results["inside"], expected, atol=1e-5, rtol=1e-5)
