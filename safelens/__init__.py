@@ -32,6 +32,7 @@ from .patching._plotting import plot_patching_heatmap
 if TYPE_CHECKING:
     from .backends.hf._cache import HFKeyValueCache
     from .backends.hf._model import hf_cache_argument
+    from .backends.hf._shared_attention import shared_prefix
     from .backends.hooked._hooks import add_hook, cache_hook_names, hooks, reset_hooks
     from .backends.hooked._shared_attention import shared_prefix_attention
     from .patching._attribution import AttributionResult, attribution_patch
@@ -68,6 +69,7 @@ if TYPE_CHECKING:
 _LAZY_MODULES = {
     ".backends.hf._cache": ("HFKeyValueCache",),
     ".backends.hf._model": ("hf_cache_argument",),
+    ".backends.hf._shared_attention": ("shared_prefix",),
     ".backends.hooked._hooks": ("add_hook", "cache_hook_names", "hooks", "reset_hooks"),
     ".backends.hooked._shared_attention": ("shared_prefix_attention",),
     ".patching._attribution": ("AttributionResult", "attribution_patch"),
@@ -187,6 +189,7 @@ __all__ = [
     "KeyValueCacheEntry",
     "HFKeyValueCache",
     "hf_cache_argument",
+    "shared_prefix",
     "TransformerLensKeyValueCache",
     "TransformerLensKeyValueCacheEntry",
     "HookedTransformerKeyValueCache",
