@@ -114,6 +114,9 @@ class CacheOps(ABC):
 
     layout: ClassVar[CacheLayout]
     cache_class_name: ClassVar[str]
+    keeps_mask: ClassVar[bool]
+    """Whether the cache stores the attention mask of its positions (then a pass is
+    given only the new tokens' mask by the model family)."""
 
     @abstractmethod
     def owns(self, cache: Any) -> bool:
@@ -133,7 +136,11 @@ class CacheOps(ABC):
 
     @abstractmethod
     def stored_mask(self, cache: Any) -> Int[torch.Tensor, "batch pos"] | None:
-        """The attention mask the cache stores for its positions, or `None` if it keeps none."""
+        """The attention mask the cache stores for its positions, or `None` if it has none."""
+
+    @abstractmethod
+    def is_frozen(self, cache: Any) -> bool:
+        """Whether `cache` (and every part of it that could store) is frozen."""
 
     @abstractmethod
     def replaced(self, cache: Any, layers: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
@@ -189,14 +196,14 @@ class Backend(ABC):
     - [`forward_continuations`][safelens.backends._backend.Backend.forward_continuations]:
       the one place a batch of continuations of a broadcast prefix is run, so a backend
       can read the shared prefix once per layer (default: `forward`).
-    - `reuses_residuals` with `residual_hook` and `forward_from_layer`: a prefix may
-      keep the residual stream entering each layer, and a write-time ablation then
-      recomputes only the layers from the first edited one.
+    - `reuses_residuals` (set per model) with `residual_hook` and `forward_from_layer`:
+      a prefix may keep the residual stream entering each layer, and a write-time
+      ablation then recomputes only the layers from the first edited one.
     """
 
     family: ClassVar[str]
     caches: ClassVar[CacheOps]
-    reuses_residuals: ClassVar[bool] = False
+    reuses_residuals: bool = False
 
     model: Any
     n_layers: int
@@ -210,6 +217,14 @@ class Backend(ABC):
 
     def __init__(self, model: Any) -> None:
         self.model = model
+
+    @abstractmethod
+    def check_model(self, what: str) -> None:
+        """Refuse, naming `what`, a model of this family that safelens cannot run (why, and the fix).
+
+        [`backend_of`][safelens.backends._backend.backend_of] calls it after
+        construction. **Raises:** [`CacheConfigError`][safelens.CacheConfigError].
+        """
 
     # -- tokens -------------------------------------------------------------------------
 
@@ -306,12 +321,21 @@ class Backend(ABC):
         """
 
     @abstractmethod
-    def run(self, input: Any, cache: Any, forward_args: dict[str, Any]) -> Any:
-        """`run_with_hooks`' forward pass: checks `input` and `forward_args`, then runs.
+    def run(
+        self,
+        input: Any,
+        cache: Any,
+        fwd_hooks: FwdHooks,
+        forward_args: dict[str, Any],
+        reset_hooks_end: bool,
+        clear_contexts: bool,
+    ) -> Any:
+        """`run_with_hooks`' pass: check everything, attach `fwd_hooks` (as `hooks`), run.
 
         `forward_args` holds `run_with_hooks`' keyword arguments (TransformerLens'
-        `forward` arguments); a family refuses, with a `ValueError` naming it, one it
-        cannot honour.
+        `forward` arguments: `attention_mask`, `return_type`, …); a family refuses, with
+        a `ValueError` naming it, one it cannot honour. Nothing is attached or run
+        before the checks pass; a failed pass leaves `cache` and the hooks as they were.
         """
 
     # -- the residual fast path -----------------------------------------------------------
@@ -319,6 +343,18 @@ class Backend(ABC):
     def residual_hook(self, layer: int) -> str:
         """The hook whose tensor is the residual stream entering `layer` `[batch, pos, d_model]`."""
         raise NotImplementedError(f"{self.family} models do not reuse residuals")
+
+    def working_cache(self, prefix_cache: Any, start: int, skip: int | None) -> Any:
+        """A new unfrozen cache to recompute positions `start…` of `prefix_cache`.
+
+        `skip=None`: for a `forward` of the tokens from `start` (every layer holds the
+        first `start` positions). An int: for `forward_from_layer(..., skip)`, asked only
+        of a backend with `reuses_residuals` (layers before `skip` share every position
+        of `prefix_cache`, as they are not run). `prefix_cache` is not changed.
+        """
+        if skip is not None:
+            raise NotImplementedError(f"{self.family} models do not reuse residuals")
+        return self.caches.cropped(prefix_cache, start)
 
     def forward_from_layer(
         self,
@@ -329,8 +365,8 @@ class Backend(ABC):
     ) -> Float[torch.Tensor, "batch new_tokens d_vocab"]:
         """Logits of a pass that starts at `layer` from `residual`, through `cache`.
 
-        `cache` holds every position in layers before `layer` (not read) and `past`
-        positions in the others; `attention_mask` is the full mask.
+        `cache` comes from `working_cache(prefix_cache, past, layer)`;
+        `attention_mask` is the full mask `[batch, past + new_tokens]`.
         """
         raise NotImplementedError(f"{self.family} models do not reuse residuals")
 
@@ -352,14 +388,15 @@ def _ancestry(obj: Any) -> set[tuple[str, str]]:
     return {(cls.__module__, cls.__name__) for cls in type(obj).__mro__}
 
 
-def backend_of(model: Any) -> Backend:
+def backend_of(model: Any, what: str = "safelens") -> Backend:
     """The adapter of `model`'s family, recognised without importing other families' libraries.
 
     A `Backend` is returned as it is. The family is read from the names and modules of
     `type(model)` and its bases (a subclass of a family's class belongs to it), and only
     that family's adapter is imported.
 
-    **Raises:** `TypeError` for a model of no known family, listing the families.
+    **Raises:** `TypeError` for a model of no known family, naming `what` (the
+    calling function) and the families.
 
     ```python
     >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -377,11 +414,12 @@ def backend_of(model: Any) -> Backend:
     for name, library, module, adapter in _FAMILIES:
         if any(n == name and m.split(".")[0] == library for m, n in ancestry):
             backend: Backend = getattr(import_module(module, __package__), adapter)(model)
+            backend.check_model(what)
             return backend
     raise TypeError(
-        f"model must be a TransformerLens HookedTransformer or TransformerBridge, or a "
-        f"HuggingFace causal LM (a PreTrainedModel with generate), got "
-        f"{type(model).__module__}.{type(model).__name__}"
+        f"{what} needs a TransformerLens HookedTransformer as model, got "
+        f"{type(model).__name__}; it also takes a TransformerBridge or a HuggingFace causal "
+        "LM (a PreTrainedModel with generate)"
     )
 
 

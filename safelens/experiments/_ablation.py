@@ -7,19 +7,25 @@ how. Two semantics apply it, each a function of its own:
   prefix keys/values; the prefix's own activations, and so its last logits, stay as
   computed. Cheap: no forward pass.
 - [`ablate_write`][safelens.ablate_write] (write-time): the prefix is recomputed with the
-  edit applied at `blocks.{l}.attn.hook_k` / `hook_v`, so later layers and positions of
-  the prefix feel it. Only what the edit can change is recomputed: positions before the
-  first edited position are reused, and (with the prefix's kept residuals) so are layers
-  before the first edited layer.
+  edit applied where the backend writes keys/values (its `write_hook`:
+  `blocks.{l}.attn.hook_k` / `hook_v` on a `HookedTransformer`, the cache's
+  `model.layers.{l}.kv_cache.hook_k_new` / `hook_v_new` on a HuggingFace model), so later
+  layers and positions of the prefix feel it. Only what the edit can change is
+  recomputed: positions before the first edited position are reused, and (with the
+  prefix's kept residuals, on a `HookedTransformer`) so are layers before the first
+  edited layer.
 
 Both return a new [`Prefix`][safelens.Prefix]; the source prefix and every reference are
 never changed, and everything (indices, references, the model) is checked before
 anything runs.
 
-Caveat: on models that normalise or clip keys after `attn.hook_k` (`use_qk_norm`, the
-OLMo family's q/k norm, `clip_qkv`), the cache stores the normalised/clipped keys, so a
-read-time edit and a write-time edit act on different tensors (see the docs page on
-edits).
+Caveats: on `HookedTransformer` models that normalise or clip keys after `attn.hook_k`
+(`use_qk_norm`, the OLMo family's q/k norm, `clip_qkv`), the cache stores the
+normalised/clipped keys, so a read-time edit and a write-time edit act on different
+tensors (see the docs page on edits). On HuggingFace models keys are edited after the
+rotary embedding, so a key substituted from another position (`"mean"`, `"resample"`)
+carries that position's rotation; positions of the references and the prefix agree
+when neither is padded differently.
 """
 
 from __future__ import annotations
@@ -29,13 +35,12 @@ from typing import Any
 
 import torch
 
-from ..core._cache import KeyValueCache
-from ..core._config import refuse_ungrouped
+from ..backends._backend import Backend, backend_of, cache_ops
 from ..core._errors import CacheConfigError
-from ..core._thread_hooks import Hook, thread_hooks
+from ..core._thread_hooks import Hook
 from ..core._tokens import check_tokens
 from ._ablation_plan import Ablation, _Edit, _plan
-from ._prefix import Prefix
+from ._prefix import Prefix, token_limits
 
 __all__ = ["ablate_read", "ablate_write"]
 
@@ -73,46 +78,51 @@ def ablate_read(prefix: Prefix, ablations: Ablation | Sequence[Ablation]) -> Pre
     ```
     """
     edits = _plan(prefix, ablations, "ablate_read")
-    cache = prefix.cache.fork()
+    ops = cache_ops(prefix.cache)
+    layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for edit in edits:
         for layer in edit.layers:
-            entry = cache[layer]
-            for target in edit.ablation.targets():
-                setattr(entry, target, edit.apply(getattr(entry, target), layer, target, 0))
-    cache.freeze()
+            keys, values = layers.get(layer) or ops.layer(prefix.cache, layer)
+            if "keys" in edit.ablation.targets():
+                keys = edit.apply(keys, layer, "keys", 0)
+            if "values" in edit.ablation.targets():
+                values = edit.apply(values, layer, "values", 0)
+            layers[layer] = (keys, values)
+    cache = ops.replaced(prefix.cache, layers)
     return Prefix(cache, prefix.tokens, prefix.attention_mask, prefix.last_logits, prefix.residuals)
 
 
-def _check_model(model: Any, prefix: Prefix, edits: list[_Edit]) -> None:
-    """Refuse a model the prefix was not run through, or an edit it cannot take at `hook_k`."""
-    cfg = getattr(model, "cfg", None)
-    if cfg is None or not hasattr(model, "hook_dict"):
-        raise TypeError(
-            f"ablate_write needs the HookedTransformer the prefix was run through, got "
-            f"{type(model).__name__}"
-        )
-    refuse_ungrouped(cfg, "ablate_write")
+def _backend(model: Any, prefix: Prefix, edits: list[_Edit]) -> Backend:
+    """The model's backend; refuse a model the prefix was not run through, or an edit it cannot take."""
     try:
-        prefix.cache.check_fits(cfg)
+        backend = backend_of(model, "ablate_write")
+    except TypeError:
+        raise TypeError(
+            f"ablate_write needs the HookedTransformer the prefix was run through (or the "
+            f"HuggingFace model), got {type(model).__name__}"
+        ) from None
+    try:
+        backend.check_cache(prefix.cache, "ablate_write")
     except CacheConfigError as error:
         raise CacheConfigError(f"ablate_write: model does not fit prefix.cache: {error}") from None
-    check_tokens(prefix.tokens, cfg, "prefix.tokens")
+    check_tokens(prefix.tokens, token_limits(backend), "prefix.tokens")
     wrong = []
-    if prefix.last_logits.shape[-1] != cfg.d_vocab_out:
+    if prefix.last_logits.shape[-1] != backend.d_vocab:
         wrong.append(f"prefix.last_logits has d_vocab={prefix.last_logits.shape[-1]}")
     residuals = prefix.residuals or ()
     widths = {tuple(r.shape) for r in residuals}
     if residuals and (
-        len(residuals) != cfg.n_layers or widths != {(*prefix.tokens.shape, cfg.d_model)}
+        len(residuals) != backend.n_layers or widths != {(*prefix.tokens.shape, backend.d_model)}
     ):
         wrong.append(f"prefix.residuals are {len(residuals)} of shapes {sorted(widths)}")
     if wrong:
         raise CacheConfigError(
             f"ablate_write: model does not fit the prefix: {'; '.join(wrong)}, but the model "
-            f"has d_vocab_out={cfg.d_vocab_out}, n_layers={cfg.n_layers}, d_model={cfg.d_model}."
-            " Pass the model the prefix was run through"
+            f"has d_vocab_out={backend.d_vocab}, n_layers={backend.n_layers}, "
+            f"d_model={backend.d_model}. Pass the model the prefix was run through"
         )
-    normed = cfg.use_qk_norm or cfg.original_architecture in _NORMED_KEYS
+    cfg = getattr(backend, "cfg", None)
+    normed = cfg is not None and (cfg.use_qk_norm or cfg.original_architecture in _NORMED_KEYS)
     for edit in edits:
         if normed and edit.sources and "keys" in edit.ablation.targets():
             raise CacheConfigError(
@@ -123,23 +133,29 @@ def _check_model(model: Any, prefix: Prefix, edits: list[_Edit]) -> None:
                 'target="values", or kind="function" with keys captured at '
                 "blocks.{l}.attn.hook_k of the reference prompt"
             )
+    return backend
 
 
 def ablate_write(model: Any, prefix: Prefix, ablations: Ablation | Sequence[Ablation]) -> Prefix:
     """Write-time ablation: the prefix recomputed with the edit in its keys/values.
 
-    The edit is applied at `blocks.{l}.attn.hook_k` / `hook_v` (hooks attached for this
-    thread's recomputation only, removed after it, also on error), so the result equals one
-    TransformerLens `run_with_hooks` over the prefix with the same edit there, on every
-    model. A `"function"` ablation's `fn` gets slices of those activations (before any
-    q/k norm or `clip_qkv`); `"mean"` and `"resample"` write the references' cached
-    keys/values there. Positions before the first edited one are reused from `prefix`;
-    when `prefix` kept its residuals, layers before the first edited one are reused too.
-    The source prefix and the references are unchanged.
+    On a `HookedTransformer` the edit is applied at `blocks.{l}.attn.hook_k` / `hook_v`
+    (hooks attached for this thread's recomputation only, removed after it, also on
+    error), so the result equals one TransformerLens `run_with_hooks` over the prefix
+    with the same edit there, on every model; a `"function"` ablation's `fn` gets slices
+    of those activations (before any q/k norm or `clip_qkv`). On a HuggingFace model it
+    is applied to the new keys/values as the recomputation stores them (the cache's
+    `hook_k_new` / `hook_v_new`: head-major, keys after the rotary embedding), which
+    equals an uncached forward with the keys/values handed to attention edited there.
+    `"mean"` and `"resample"` write the references' cached keys/values. Positions
+    before the first edited one are reused from `prefix`; when `prefix` kept its
+    residuals, layers before the first edited one are reused too. The source prefix
+    and the references are unchanged.
 
     **Arguments:**
 
-    - `model`: the `HookedTransformer` the prefix was run through.
+    - `model`: the model the prefix was run through (a `HookedTransformer` or a
+      HuggingFace causal LM).
     - `prefix`: a [`Prefix`][safelens.Prefix].
     - `ablations`: an [`Ablation`][safelens.Ablation] or a list, applied in order.
 
@@ -163,25 +179,16 @@ def ablate_write(model: Any, prefix: Prefix, ablations: Ablation | Sequence[Abla
     ```
     """
     edits = _plan(prefix, ablations, "ablate_write")
-    _check_model(model, prefix, edits)
-    n_layers = model.cfg.n_layers
+    backend = _backend(model, prefix, edits)
+    n_layers = backend.n_layers
     plan: dict[int, list[_Edit]] = {}
     for edit in edits:
         for layer in edit.layers:
             plan.setdefault(layer, []).append(edit)
     start = min(int(edit.positions.min()) for edit in edits)
-    reuse_layers = (
-        prefix.residuals is not None and model.cfg.positional_embedding_type != "shortformer"
-    )
-    skip = min(plan) if reuse_layers else 0
-    cropped = prefix.cache.crop(start)
-    full = prefix.cache.fork()
-    # Layers before `skip` hold the whole prefix, later ones its first `start` positions:
-    # a working cache the constructor would refuse, so it is assembled unchecked.
-    cache = KeyValueCache.assembled(
-        {i: full[i] if i < skip else cropped[i] for i in range(n_layers)},
-        prefix.attention_mask if reuse_layers else cropped.previous_attention_mask,
-    )
+    reuse = prefix.residuals is not None and backend.reuses_residuals
+    skip = min(plan) if reuse else 0
+    cache = backend.working_cache(prefix.cache, start, skip if reuse else None)
 
     def editor(layer: int, target: str) -> Callable[[torch.Tensor, Any], torch.Tensor]:
         def edit(tensor: torch.Tensor, hook: Any) -> torch.Tensor:
@@ -193,36 +200,30 @@ def ablate_write(model: Any, prefix: Prefix, ablations: Ablation | Sequence[Abla
         return edit
 
     hooks: list[tuple[str, Hook]] = [
-        (f"blocks.{layer}.attn.hook_{target[0]}", editor(layer, target))
+        (backend.write_hook(layer, target), editor(layer, target))  # type: ignore[arg-type]
         for layer, items in plan.items()
         for target in ("keys", "values")
         if any(target in item.ablation.targets() for item in items)
     ]
     residuals: dict[int, torch.Tensor] = {}
 
-    def keep(resid: torch.Tensor, hook: Any) -> None:
-        residuals[hook.layer()] = resid
+    def keeper(layer: int) -> Hook:
+        def keep(resid: torch.Tensor, hook: Any) -> None:
+            residuals[layer] = resid
 
-    if prefix.residuals is not None:
-        hooks += [(f"blocks.{i}.hook_resid_pre", keep) for i in range(skip, n_layers)]
-    with torch.no_grad(), thread_hooks([(model.hook_dict[name], fn) for name, fn in hooks]):
-        if reuse_layers:
-            assert prefix.residuals is not None
-            logits = model(
-                prefix.residuals[skip][:, start:],
-                start_at_layer=skip,
-                attention_mask=prefix.attention_mask,
-                past_kv_cache=cache,
-            )
+        return keep
+
+    if reuse:
+        hooks += [(backend.residual_hook(i), keeper(i)) for i in range(skip, n_layers)]
+    with torch.no_grad(), backend.pass_hooks(cache, hooks):
+        if prefix.residuals is not None and reuse:
+            residual = prefix.residuals[skip][:, start:]
+            logits = backend.forward_from_layer(residual, skip, prefix.attention_mask, cache)
         else:
-            logits = model(
-                prefix.tokens[:, start:],
-                attention_mask=prefix.attention_mask[:, start:],
-                past_kv_cache=cache,
-            )
+            logits = backend.forward(prefix.tokens[:, start:], prefix.attention_mask, cache)
     cache.freeze()
     kept = None
-    if prefix.residuals is not None:
+    if prefix.residuals is not None and reuse:
         kept = tuple(
             prefix.residuals[i]
             if i < skip

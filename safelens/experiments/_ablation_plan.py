@@ -13,7 +13,11 @@ ablation of a call has been resolved.
 Positions index the prefix's cache axis, left padding included. Heads index the
 cache's heads axis: KV heads under grouped-query attention (an edit of KV head `h`
 reaches every query head reading it), all `n_heads` with TransformerLens'
-`ungroup_grouped_query_attention=True`.
+`ungroup_grouped_query_attention=True`. Both are axes of the backend's cache layout
+(`safelens.backends._backend.CacheLayout`): position-major `[batch, pos, n_kv_heads,
+d_head]` pre-rotary keys in a `KeyValueCache`, head-major `[batch, n_kv_heads, pos,
+d_head]` post-rotary keys in an `HFKeyValueCache`; a `"function"` ablation's `fn` gets
+its slice in that layout.
 
 Caveat: a `"mean"` weights every reference row by its attention mask at each position,
 so a position that is padding in every reference row has no mean and is refused.
@@ -28,8 +32,8 @@ from typing import Any, Literal, NamedTuple
 import torch
 from jaxtyping import Int
 
+from ..backends._backend import CacheLayout, CacheOps, CacheShape, cache_ops
 from ..core._arguments import as_index
-from ..core._cache import KeyValueCache
 from ..core._errors import CacheShapeError
 from ._prefix import Prefix
 
@@ -92,11 +96,20 @@ def _reference_list(ablation: Ablation) -> tuple[Any, ...]:
     if ablation.kind == "resample" and len(refs) != 1:
         raise ValueError(f'kind="resample" takes one reference cache or prefix, got {len(refs)}')
     for i, ref in enumerate(refs):
-        if not isinstance(ref, KeyValueCache | Prefix):
+        if not isinstance(ref, Prefix) and not _is_cache(ref):
             raise TypeError(
-                f"reference[{i}] must be a KeyValueCache or a Prefix, got {type(ref).__name__}"
+                f"reference[{i}] must be a KeyValueCache or a Prefix (an HFKeyValueCache on "
+                f"HuggingFace models), got {type(ref).__name__}"
             )
     return refs
+
+
+def _is_cache(value: Any) -> bool:
+    try:
+        cache_ops(value)
+    except TypeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -115,8 +128,10 @@ class Ablation:
       prefix) to copy from, batch 1 or the prefix's batch. Either must come from the same
       model (layers, KV heads, `d_head`) and cover the edited positions.
     - `fn`: for `"function"`, called as `fn(slice, layer, target)` with the selected
-      `[batch, positions, heads, d_head]` slice (`target` is `"keys"` or `"values"`),
-      returning a finite floating tensor of that shape.
+      slice in the cache's layout, `[batch, positions, heads, d_head]` on a
+      `HookedTransformer`, `[batch, heads, positions, d_head]` on a HuggingFace model
+      (`target` is `"keys"` or `"values"`), returning a finite floating tensor of that
+      shape.
 
     Indices are ints (negative ones count from the end), each listed once; bools,
     floats, strings and empty lists are refused. Lists are kept as tuples.
@@ -168,75 +183,57 @@ class Ablation:
         return ("keys", "values") if self.target == "both" else (self.target,)
 
 
-class _Shape(NamedTuple):
-    layers: int
-    batch: int
-    length: int
-    heads: int
-    d_head: int
+def _position_major(tensor: torch.Tensor, layout: CacheLayout) -> torch.Tensor:
+    """A view of `tensor` (in `layout`) as `[batch, pos, heads, d_head]`."""
+    return tensor.movedim((layout.pos_axis, layout.heads_axis), (1, 2))
 
 
-def _shape_of(cache: Any, what: str) -> _Shape:
-    """The sizes of a cache of `[batch, pos, heads, d_head]` tensors, read without changing it."""
-    if not isinstance(cache, KeyValueCache):
-        raise TypeError(f"{what} must be a KeyValueCache, got {type(cache).__name__}")
-    entries = cache.entries
-    if not entries:
-        raise CacheShapeError(
-            f"{what} holds no layers (an empty KeyValueCache()); pass a prefix from "
-            "prefill(model, tokens) or a cache a forward pass filled"
-        )
-    shapes = set()
-    for entry in entries:
-        for name in ("keys", "values"):
-            tensor = getattr(entry, name)
-            if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
-                raise CacheShapeError(
-                    f"{what} layer {entry.layer} {name} must be a [batch, pos, n_kv_heads, "
-                    f"d_head] tensor, got {type(tensor).__name__} of shape "
-                    f"{getattr(tensor, 'shape', None)}"
-                )
-            shapes.add(tuple(tensor.shape))
-    if len(shapes) != 1:
-        raise CacheShapeError(
-            f"{what} holds keys/values of several shapes {sorted(shapes)}; every layer must "
-            "be one [batch, pos, n_kv_heads, d_head] shape"
-        )
-    return _Shape(len(entries), *shapes.pop())
+def _in_layout(tensor: torch.Tensor, layout: CacheLayout) -> torch.Tensor:
+    """A view of position-major `tensor` in `layout`."""
+    return tensor.movedim((1, 2), (layout.pos_axis, layout.heads_axis))
 
 
 class _Edit(NamedTuple):
-    """One ablation resolved against a prefix: indices and reference slices, checked."""
+    """One ablation resolved against a prefix: indices and reference slices, checked.
+
+    `sources` are position-major `[batch, positions, heads, d_head]`.
+    """
 
     ablation: Ablation
     layers: list[int]
     heads: Int[torch.Tensor, " heads"]
     positions: Int[torch.Tensor, " positions"]
     sources: dict[tuple[int, str], torch.Tensor]
+    layout: CacheLayout
 
     def apply(self, tensor: torch.Tensor, layer: int, target: str, start: int) -> torch.Tensor:
-        """`tensor` (holding positions `start…`) with this edit, as a new tensor."""
+        """`tensor` (in `layout`, holding positions `start…`) with this edit, as a new tensor."""
+        layout = self.layout
+        view = _position_major(tensor, layout)
         rows, cols = (self.positions - start)[:, None], self.heads[None, :]
-        selected = tensor[:, rows, cols]
+        selected = view[:, rows, cols]
         if self.ablation.kind == "zero":
             new = torch.zeros_like(selected)
         elif self.ablation.kind == "function":
-            new = _checked(self.ablation.fn, selected, layer, target)
+            given = _in_layout(selected, layout)
+            new = _position_major(_checked(self.ablation.fn, given, layer, target, layout), layout)
         else:
             new = self.sources[layer, target].to(selected)
-        out = tensor.clone()
+        out = view.clone()
         out[:, rows, cols] = new.expand(selected.shape)
-        return out
+        return _in_layout(out, layout)
 
 
-def _checked(fn: Any, selected: torch.Tensor, layer: int, target: str) -> torch.Tensor:
+def _checked(
+    fn: Any, selected: torch.Tensor, layer: int, target: str, layout: CacheLayout
+) -> torch.Tensor:
     result = fn(selected, layer, target)
     where = f"fn returned {{}} for layer {layer} {target}; expected"
     if not isinstance(result, torch.Tensor) or result.shape != selected.shape:
         got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
+        named = layout.shape_names().replace("pos", "positions").replace("n_kv_heads", "heads")
         raise CacheShapeError(
-            f"{where.format(got)} shape {tuple(selected.shape)} [batch, positions, heads, "
-            "d_head], the slice it was given"
+            f"{where.format(got)} shape {tuple(selected.shape)} {named}, the slice it was given"
         )
     if not result.is_floating_point():
         raise CacheShapeError(
@@ -251,15 +248,22 @@ def _checked(fn: Any, selected: torch.Tensor, layer: int, target: str) -> torch.
     return result.to(selected)
 
 
-def _fitted(ref: Any, what: str, kind: str, shape: _Shape, last: int) -> tuple[Any, Any]:
+def _fitted(
+    ref: Any, what: str, kind: str, ops: CacheOps, shape: CacheShape, last: int
+) -> tuple[Any, Any]:
     """`(cache, mask)` of one reference, or a `CacheShapeError` saying what does not fit."""
     cache = ref.cache if isinstance(ref, Prefix) else ref
-    got = _shape_of(cache, what)
+    if cache_ops(cache, what) is not ops:
+        raise CacheShapeError(
+            f"{what} is a {type(cache).__name__}, the prefix's cache a "
+            f"{ops.cache_class_name}; a reference must come from the same model"
+        )
+    got = ops.shape(cache, what)
     wrong = [
         f"{name}: prefix has {want}, {what} {have}"
         for name, want, have in [
-            ("layers", shape.layers, got.layers),
-            ("n_kv_heads", shape.heads, got.heads),
+            ("layers", shape.n_layers, got.n_layers),
+            ("n_kv_heads", shape.n_kv_heads, got.n_kv_heads),
             ("d_head", shape.d_head, got.d_head),
         ]
         if want != have
@@ -274,7 +278,7 @@ def _fitted(ref: Any, what: str, kind: str, shape: _Shape, last: int) -> tuple[A
             "the same model, cover the edited positions (use reference prompts at least as "
             "long) and, to resample, have batch 1 or the prefix's"
         )
-    mask = ref.attention_mask if isinstance(ref, Prefix) else cache.previous_attention_mask
+    mask = ref.attention_mask if isinstance(ref, Prefix) else ops.stored_mask(cache)
     found = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
     if kind == "mean" and found != (got.batch, got.length):
         raise CacheShapeError(
@@ -286,7 +290,11 @@ def _fitted(ref: Any, what: str, kind: str, shape: _Shape, last: int) -> tuple[A
 
 
 def _sources(
-    ablation: Ablation, shape: _Shape, layers: list[int], index: tuple[torch.Tensor, ...]
+    ablation: Ablation,
+    ops: CacheOps,
+    shape: CacheShape,
+    layers: list[int],
+    index: tuple[torch.Tensor, ...],
 ) -> dict[tuple[int, str], torch.Tensor]:
     """Each edited `(layer, target)`'s replacement slice from the references, checked."""
     heads, positions = index
@@ -294,12 +302,12 @@ def _sources(
     listed = isinstance(ablation.reference, list | tuple)
     last = int(positions.max())
     fitted = [
-        _fitted(ref, f"reference[{i}]" if listed else "reference", ablation.kind, shape, last)
+        _fitted(ref, f"reference[{i}]" if listed else "reference", ablation.kind, ops, shape, last)
         for i, ref in enumerate(refs)
     ]
     weights: torch.Tensor | None = None
     if ablation.kind == "mean":
-        device = fitted[0][0].entries[0].keys.device
+        device = ops.layer(fitted[0][0], 0)[0].device
         weights = torch.cat([mask[:, positions].to(device, torch.float32) for _, mask in fitted])
         empty = positions[(weights.sum(0) == 0).cpu()].tolist()
         if empty:
@@ -311,7 +319,9 @@ def _sources(
     for layer in layers:
         for target in ablation.targets():
             picked = [
-                getattr(cache[layer], target)[:, positions[:, None], heads[None, :]]
+                _position_major(ops.layer(cache, layer)[target == "values"], ops.layout)[
+                    :, positions[:, None], heads[None, :]
+                ]
                 for cache, _ in fitted
             ]
             if weights is None:
@@ -333,16 +343,17 @@ def _plan(prefix: Prefix, ablations: Ablation | Sequence[Ablation], what: str) -
     if not items or not all(isinstance(a, Ablation) for a in items):
         raise TypeError("ablations must be an Ablation or a non-empty list of Ablation objects")
     prefix.check()
-    shape = _shape_of(prefix.cache, "prefix.cache")
+    ops = cache_ops(prefix.cache, "prefix.cache")
+    shape = ops.shape(prefix.cache, "prefix.cache")
     edits = []
     for ablation in items:
-        layers = ablation.layer_list(shape.layers)
-        heads = _resolve(ablation.heads, shape.heads, "heads", f"{shape.heads} KV heads")
+        layers = ablation.layer_list(shape.n_layers)
+        heads = _resolve(ablation.heads, shape.n_kv_heads, "heads", f"{shape.n_kv_heads} KV heads")
         positions = _resolve(
             ablation.positions, shape.length, "positions", f"a prefix of {shape.length} positions"
         )
         sources = {}
         if ablation.kind in ("mean", "resample"):
-            sources = _sources(ablation, shape, layers, (heads, positions))
-        edits.append(_Edit(ablation, layers, heads, positions, sources))
+            sources = _sources(ablation, ops, shape, layers, (heads, positions))
+        edits.append(_Edit(ablation, layers, heads, positions, sources, ops.layout))
     return edits

@@ -1,9 +1,13 @@
 """Capturing what the cache hook points see: `run_with_cache_capture`.
 
 The cache's counterpart of TransformerLens' `run_with_cache`: one forward pass through
-a [`KeyValueCache`][safelens.KeyValueCache] whose `hook_k_new` / `hook_v_new` /
-`hook_k_full` / `hook_v_full` points are recorded, optionally only some positions and
-KV heads. Capture hooks run after the caller's `fwd_hooks`, so they see patched tensors.
+a cache ([`KeyValueCache`][safelens.KeyValueCache] on a `HookedTransformer`,
+[`HFKeyValueCache`][safelens.HFKeyValueCache] on a HuggingFace model) whose
+`hook_k_new` / `hook_v_new` / `hook_k_full` / `hook_v_full` points are recorded,
+optionally only some positions and KV heads. Capture hooks run after the caller's
+`fwd_hooks`, so they see patched tensors. Captures keep the cache's layout:
+`[batch, pos, n_kv_heads, d_head]` on a `HookedTransformer`, `[batch, n_kv_heads, pos,
+d_head]` on a HuggingFace model.
 
 Caveat: every capture is a detached clone, so capturing `hook_*_full` on a long cache
 holds a copy of all of its keys or values per layer; pass `positions` or `heads` to keep
@@ -16,20 +20,14 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
-from transformer_lens import HookedTransformer
 
-from ..backends.hooked._hooks import FwdHooks, NamesFilter, _resolve, cache_hook_names
-from ..core._cache import KeyValueCache
-from ..core._config import CacheDimensions
+from ..backends._backend import FwdHooks, NamesFilter, backend_of
 from ..core._errors import HookError
 from ..core._hook_point import CacheHookPoint
-from ._run import forward
 
 __all__ = ["run_with_cache_capture"]
 
 Indices = int | Seq[int] | torch.Tensor
-
-_POS, _HEADS = 1, 2
 
 
 def _index(indices: Indices, size: int, what: str, name: str) -> torch.Tensor:
@@ -45,10 +43,10 @@ def _index(indices: Indices, size: int, what: str, name: str) -> torch.Tensor:
 
 
 def run_with_cache_capture(
-    model: HookedTransformer,
+    model: Any,
     input: Any,
     *,
-    cache: KeyValueCache,
+    cache: Any,
     names: NamesFilter | None = None,
     positions: Indices | None = None,
     heads: Indices | None = None,
@@ -73,8 +71,8 @@ def run_with_cache_capture(
       positions for `hook_*_full`; indices among the new tokens for `hook_*_new`).
     - `heads`: keep only these KV heads.
 
-    **Returns:** `(output, captured)`, `captured[name]` a detached clone
-    `[batch, pos, n_kv_heads, d_head]` (selected positions/heads only, axes kept).
+    **Returns:** `(output, captured)`, `captured[name]` a detached clone in the cache's
+    layout (selected positions/heads only, axes kept).
 
     **Raises:** [`HookError`][safelens.HookError] for an unknown or model hook name, or
     positions/heads out of range; the cache is then unchanged.
@@ -91,21 +89,19 @@ def run_with_cache_capture(
 
     ```
     """
-    chosen = (
-        cache_hook_names(model.cfg.n_layers) if names is None else _resolve(model, names, True)[1]
-    )
-    n_kv_heads = CacheDimensions.of(model.cfg).n_kv_heads
-    head_index = None if heads is None else _index(heads, n_kv_heads, "heads", "the cache")
+    backend = backend_of(model, "run_with_cache_capture")
+    chosen = backend.cache_hook_names() if names is None else backend.select_cache_hooks(names)
+    layout = backend.caches.layout
+    head_index = None if heads is None else _index(heads, backend.n_kv_heads, "heads", "the cache")
     captured: dict[str, torch.Tensor] = {}
 
     def save(tensor: torch.Tensor, hook: CacheHookPoint) -> None:
         kept = tensor.detach()
         if positions is not None:
-            kept = kept.index_select(
-                _POS, _index(positions, kept.shape[_POS], "positions", hook.name).to(kept.device)
-            )
+            index = _index(positions, kept.shape[layout.pos_axis], "positions", hook.name)
+            kept = kept.index_select(layout.pos_axis, index.to(kept.device))
         if head_index is not None:
-            kept = kept.index_select(_HEADS, head_index.to(kept.device))
+            kept = kept.index_select(layout.heads_axis, head_index.to(kept.device))
         captured[hook.name] = kept.clone()
 
     forward_args = dict(
@@ -115,5 +111,5 @@ def run_with_cache_capture(
         stop_at_layer=stop_at_layer,
     )
     all_hooks = list(fwd_hooks) + ([(chosen, save)] if chosen else [])
-    output = forward(model, input, cache, all_hooks, forward_args, True, False)
+    output = backend.run(input, cache, all_hooks, forward_args, True, False)
     return output, captured

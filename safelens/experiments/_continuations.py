@@ -6,9 +6,10 @@ copying it (`cache.expand(n)`), right-padding ragged continuations under an atte
 mask, and returns their per-token log-probabilities as
 [`ContinuationScores`][safelens.ContinuationScores].
 
-Each batch runs under [`shared_prefix_attention`][safelens.shared_prefix_attention], so
-attention reads the prefix's keys and values once per layer rather than once per row.
-The stored prefix is never written: it stays frozen and bitwise unchanged.
+Each batch runs through the backend's `forward_continuations`, on a `HookedTransformer`
+under [`shared_prefix_attention`][safelens.shared_prefix_attention], so attention reads
+the prefix's keys and values once per layer rather than once per row. The stored prefix
+is never written: it stays frozen and bitwise unchanged.
 
 Everything is checked before anything runs: token ids (dtype, `0 <= id < d_vocab`, at
 most `n_ctx` positions counting the prefix), sizes and flags, and that the prefix is
@@ -28,12 +29,11 @@ from typing import Any
 import torch
 from jaxtyping import Float, Int
 
-from ..backends.hooked._shared_attention import shared_prefix_attention
+from ..backends._backend import Backend
 from ..core._arguments import flag, positive_int
-from ..core._config import CacheDimensions
 from ..core._errors import CacheShapeError, TokenError
 from ..core._tokens import check_tokens
-from ._prefix import Prefix, check_prefix
+from ._prefix import Prefix, check_prefix, token_limits
 
 __all__ = ["ContinuationScores", "score_continuations"]
 
@@ -62,19 +62,19 @@ class ContinuationScores:
         return [row[keep] for row, keep in zip(self.log_probs, self.mask, strict=True)]
 
 
-def _continuation_rows(continuations: Any, cfg: Any, past: int) -> list[torch.Tensor]:
+def _continuation_rows(continuations: Any, limits: Any, past: int) -> list[torch.Tensor]:
     if isinstance(continuations, torch.Tensor):
         if continuations.dim() != 2:
             raise TokenError(
                 f"continuations as one tensor must be [n, new_tokens], got shape "
                 f"{tuple(continuations.shape)}; pass a list of 1-D tensors for ragged lengths"
             )
-        rows = list(check_tokens(continuations, cfg, "continuations", past=past))
+        rows = list(check_tokens(continuations, limits, "continuations", past=past))
     elif isinstance(continuations, Sequence) and not isinstance(continuations, str):
         rows = [
             check_tokens(
                 torch.zeros(0, dtype=torch.long) if _empty(row) else row,
-                cfg,
+                limits,
                 f"continuations[{i}]",
                 past=past,
                 rank=1,
@@ -95,16 +95,18 @@ def _empty(row: Any) -> bool:
     return isinstance(row, list | tuple) and len(row) == 0
 
 
-def bytes_per_row(model: Any, prefix_length: int, new_tokens: int) -> int:
-    """An estimate of the peak memory one continuation row needs in a forward pass."""
-    cfg = model.cfg
-    dims = CacheDimensions.of(cfg)
-    item = torch.empty((), dtype=dims.dtype).element_size()
+def bytes_per_row(backend: Backend, prefix_length: int, new_tokens: int) -> int:
+    """An estimate of the peak memory one continuation row needs in a forward pass.
+
+    Query heads and the MLP width are taken as `d_model / d_head` and `4 * d_model`.
+    """
+    item = torch.empty((), dtype=backend.dtype).element_size()
     total = prefix_length + new_tokens
-    keys_values = 4 * total * cfg.n_heads * cfg.d_head * item
-    scores = 3 * cfg.n_heads * new_tokens * total * 4
-    hidden = 3 * new_tokens * max(cfg.d_model, cfg.d_mlp or 0) * 4
-    logits = 2 * new_tokens * cfg.d_vocab_out * 4
+    n_heads = max(backend.d_model // backend.d_head, backend.n_kv_heads)
+    keys_values = 4 * total * n_heads * backend.d_head * item
+    scores = 3 * n_heads * new_tokens * total * 4
+    hidden = 3 * new_tokens * 4 * backend.d_model * 4
+    logits = 2 * new_tokens * backend.d_vocab * 4
     return keys_values + scores + hidden + logits
 
 
@@ -145,7 +147,8 @@ def score_continuations(
 
     **Arguments:**
 
-    - `model`: the `HookedTransformer` the prefix was run through.
+    - `model`: the model the prefix was run through (a `HookedTransformer` or a
+      HuggingFace causal LM).
     - `prefix`: a batch-1 [`Prefix`][safelens.Prefix] (`prefix.select(row)` for a row of
       a batch), possibly ablated ([`ablate_read`][safelens.ablate_read]).
     - `continuations`: a list of 1-D token tensors or lists (ragged lengths allowed), or
@@ -175,20 +178,20 @@ def score_continuations(
 
     ```
     """
-    cfg = check_prefix(model, prefix, "score_continuations")
+    backend = check_prefix(model, prefix, "score_continuations")
     if prefix.batch_size != 1:
         raise CacheShapeError(
             f"score_continuations needs a batch-1 prefix, got batch {prefix.batch_size}; use "
             "prefix.select(row) to pick one row of a batch of prefixes"
         )
-    rows = _continuation_rows(continuations, cfg, prefix.length)
+    rows = _continuation_rows(continuations, token_limits(backend), prefix.length)
     positive_int(batch_size, "batch_size", optional=True)
     positive_int(memory_budget, "memory_budget", optional=True, unit=" (bytes)")
     flag(progress, "progress", optional=True)
     lengths = torch.tensor([len(r) for r in rows])
     longest = int(lengths.max())
     order = torch.argsort(lengths, descending=True, stable=True).tolist()
-    per_row = bytes_per_row(model, prefix.length, longest)
+    per_row = bytes_per_row(backend, prefix.length, longest)
     device = prefix.tokens.device
     log_probs = torch.zeros(len(rows), longest, dtype=torch.float32, device=device)
     first = torch.log_softmax(prefix.last_logits[0].float(), dim=-1)
@@ -203,8 +206,9 @@ def score_continuations(
             mask[j, : lengths[index]] = 1
         cache = prefix.cache.expand(len(picked))
         cache.freeze()
-        with torch.no_grad(), shared_prefix_attention(model):
-            logits = model(tokens, attention_mask=mask, past_kv_cache=cache)
+        full_mask = torch.cat([prefix.attention_mask.expand(len(picked), -1), mask], dim=1)
+        with torch.no_grad():
+            logits = backend.forward_continuations(tokens, full_mask, cache)
         scores = torch.empty(len(picked), width, dtype=torch.float32, device=device)
         scores[:, 0] = first[tokens[:, 0]]
         if width > 1:

@@ -159,13 +159,16 @@ def generate(
 ) -> Generation:
     """Generate `max_new_tokens` after `prefix`, greedily or by seeded sampling.
 
-    Greedy generation gives the tokens of TransformerLens' `model.generate` on the full
-    prompt with `do_sample=False`. Sampling draws from a `torch.Generator` seeded with
-    `seed`, so equal seeds give equal samples.
+    Greedy generation gives the tokens of the model's own `generate` on the full prompt
+    with `do_sample=False` (TransformerLens' or HuggingFace's). Sampling draws from a
+    `torch.Generator` seeded with `seed`, so equal seeds give equal samples; on the CPU
+    they are HuggingFace's samples after `torch.manual_seed(seed)` with the same
+    settings (it draws with `torch.multinomial` on the same distribution).
 
     **Arguments:**
 
-    - `model`: the `HookedTransformer` the prefix was run through.
+    - `model`: the model the prefix was run through (a `HookedTransformer` or a
+      HuggingFace causal LM).
     - `prefix`: a [`Prefix`][safelens.Prefix]; each of its rows gets `n_samples` samples
       (rows `r * n_samples … (r + 1) * n_samples - 1` of the result).
     - `max_new_tokens`: tokens to generate per sample.
@@ -197,13 +200,13 @@ def generate(
 
     ```
     """
-    cfg = check_prefix(model, prefix, "generate")
+    backend = check_prefix(model, prefix, "generate")
     positive_int(max_new_tokens, "max_new_tokens")
     positive_int(n_samples, "n_samples")
     flag(do_sample, "do_sample")
     _check_sampling(temperature, top_k, top_p)
     _seed(seed)
-    d_vocab = getattr(cfg, "d_vocab_out", cfg.d_vocab)
+    d_vocab = backend.d_vocab
     device = prefix.tokens.device
     stops = torch.zeros(0, dtype=torch.long, device=device)
     if stop_tokens is not None and not (isinstance(stop_tokens, list | tuple) and not stop_tokens):
@@ -211,12 +214,12 @@ def generate(
     fill = int(stops[0]) if stops.numel() else 0
     if pad_token is not None:
         fill = int(_token_ids([pad_token], d_vocab, "pad_token")[0])
-    total = prefix.length + max_new_tokens
-    if total > cfg.n_ctx:
+    total, n_ctx = prefix.length + max_new_tokens, backend.n_ctx
+    if n_ctx is not None and total > n_ctx:
         raise TokenError(
             f"max_new_tokens={max_new_tokens} after a prefix of {prefix.length} positions "
-            f"makes {total} positions, more than the model's context n_ctx={cfg.n_ctx}; "
-            f"generate at most {cfg.n_ctx - prefix.length} new tokens, or shorten the prefix"
+            f"makes {total} positions, more than the model's context n_ctx={n_ctx}; "
+            f"generate at most {n_ctx - prefix.length} new tokens, or shorten the prefix"
         )
     rows = prefix.batch_size * n_samples
     if prefix.batch_size == 1:
@@ -233,7 +236,8 @@ def generate(
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     lengths = torch.full((rows,), max_new_tokens, dtype=torch.long, device=device)
     logits = prefix.last_logits.repeat_interleave(n_samples, dim=0)
-    ones = torch.ones(rows, 1, dtype=torch.long, device=device)
+    mask = prefix.attention_mask.repeat_interleave(n_samples, dim=0)
+    ones = torch.ones(rows, 1, dtype=mask.dtype, device=device)
     for step in range(max_new_tokens):
         if do_sample:
             token = _sample(logits, temperature, top_k, top_p, generator)
@@ -250,6 +254,7 @@ def generate(
             if bool(finished.all()):
                 break
         if step + 1 < max_new_tokens:
+            mask = torch.cat([mask, ones], dim=1)
             with torch.no_grad():
-                logits = model(token[:, None], attention_mask=ones, past_kv_cache=branch)[:, -1]
+                logits = backend.forward(token[:, None], mask, branch)[:, -1]
     return Generation(tokens, lengths, log_probs)

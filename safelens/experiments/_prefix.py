@@ -1,13 +1,19 @@
 """A prompt prefix run once, frozen and shared: `Prefix` and `prefill`.
 
-[`prefill`][safelens.prefill] runs a prefix through a `HookedTransformer` into a frozen
-[`KeyValueCache`][safelens.KeyValueCache] and returns a [`Prefix`][safelens.Prefix]: the
-cache plus what a continuation needs from the prefix run (its tokens, attention mask,
-the logits at its last position, and optionally the residual stream entering each
+[`prefill`][safelens.prefill] runs a prefix through a model into a frozen cache of the
+model's backend (`safelens.backends._backend`: a [`KeyValueCache`][safelens.KeyValueCache]
+for a `HookedTransformer`, an [`HFKeyValueCache`][safelens.HFKeyValueCache] for a
+HuggingFace causal LM) and returns a [`Prefix`][safelens.Prefix]: the cache plus what a
+continuation needs from the prefix run (its tokens, attention mask, the logits at its
+last position, and, where the backend can reuse it, the residual stream entering each
 layer, which write-time ablations reuse). What continues a prefix (scoring
 continuations, generating, ablating) checks it first with `check_prefix`: frozen,
 self-consistent and made by the model it is given. The stored prefix is never written:
 it stays frozen and bitwise unchanged.
+
+Left padding: each real token sits at the position HuggingFace's `generate` gives it
+(the number of real tokens before it in its row), so a left-padded row gives the numbers
+of the same row unpadded.
 
 `prefill` checks what it is given before anything runs: token ids (dtype, `0 <= id <
 d_vocab`, at most `n_ctx` positions), the attention mask (0s and 1s, left-padded) and
@@ -21,19 +27,23 @@ ablation follows.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from jaxtyping import Float, Int
 
+from ..backends._backend import Backend, backend_of, cache_ops
 from ..core._arguments import flag, integer
-from ..core._cache import KeyValueCache
-from ..core._config import refuse_ungrouped
 from ..core._errors import CacheConfigError, CacheShapeError, FrozenCacheError, TokenError
-from ..core._thread_hooks import thread_hooks
 from ..core._tokens import check_tokens
 
-__all__ = ["Prefix", "check_prefix", "prefill"]
+__all__ = ["Prefix", "check_prefix", "prefill", "token_limits"]
+
+
+def token_limits(backend: Backend) -> SimpleNamespace:
+    """What `check_tokens` bounds token ids by: the backend's `d_vocab` and `n_ctx`."""
+    return SimpleNamespace(d_vocab=backend.d_vocab, n_ctx=backend.n_ctx)
 
 
 @dataclass(frozen=True)
@@ -42,16 +52,19 @@ class Prefix:
 
     **Fields:**
 
-    - `cache`: the prefix's keys and values, frozen.
+    - `cache`: the prefix's keys and values, frozen: a
+      [`KeyValueCache`][safelens.KeyValueCache] or an
+      [`HFKeyValueCache`][safelens.HFKeyValueCache].
     - `tokens`: `[batch, pos]` the prefix tokens (left padding included).
     - `attention_mask`: `[batch, pos]`, 0 on left padding.
     - `last_logits`: `[batch, d_vocab]` logits at the last position: the prediction of a
       continuation's first token.
     - `residuals`: the residual stream entering each layer (`blocks.{l}.hook_resid_pre`),
-      `[batch, pos, d_model]` each, or `None` when not kept.
+      `[batch, pos, d_model]` each, or `None` when not kept (or the backend cannot
+      reuse them).
     """
 
-    cache: KeyValueCache
+    cache: Any
     tokens: Int[torch.Tensor, "batch pos"]
     attention_mask: Int[torch.Tensor, "batch pos"]
     last_logits: Float[torch.Tensor, "batch d_vocab"]
@@ -73,29 +86,30 @@ class Prefix:
         is not frozen.
         """
         tensors = [self.tokens, self.attention_mask, self.last_logits, *(self.residuals or ())]
-        if not isinstance(self.cache, KeyValueCache) or not all(
-            isinstance(t, torch.Tensor) for t in tensors
-        ):
+        try:
+            ops = cache_ops(self.cache, "Prefix.cache")
+        except TypeError:
+            ops = None
+        if ops is None or not all(isinstance(t, torch.Tensor) for t in tensors):
             raise TypeError(
                 "a Prefix holds a KeyValueCache and tensors (tokens, attention_mask, "
-                f"last_logits, residuals), got {[type(t).__name__ for t in [self.cache, *tensors]]}"
+                "last_logits, residuals), or an HFKeyValueCache and those tensors; got "
+                f"{[type(t).__name__ for t in [self.cache, *tensors]]}"
             )
         batch, pos = check_tokens(self.tokens, None, "Prefix.tokens").shape
-        lengths = sorted({entry.sequence_length for entry in self.cache})
+        shape = ops.shape(self.cache, "Prefix.cache")
+        mask_shape: Any = getattr(ops.stored_mask(self.cache), "shape", ())
         parts: list[tuple[str, Any, dict[str, int | None]]] = [
             ("attention_mask", self.attention_mask.shape, {"batch": batch, "pos": pos}),
             ("last_logits", self.last_logits.shape, {"batch": batch, "d_vocab": None}),
-            ("cache", (self.cache.batch_size, *lengths), {"batch": batch, "pos_so_far": pos}),
-            (
-                "cache.previous_attention_mask",
-                getattr(self.cache.previous_attention_mask, "shape", ()),
-                {"batch": batch, "pos_so_far": pos},
-            ),
+            ("cache", (shape.batch, shape.length), {"batch": batch, "pos_so_far": pos}),
             *(
                 (f"residuals[{i}]", resid.shape, {"batch": batch, "pos": pos, "d_model": None})
                 for i, resid in enumerate(self.residuals or ())
             ),
         ]
+        if ops.keeps_mask:
+            parts.insert(3, ("cache.previous_attention_mask", mask_shape, parts[2][2]))
         for name, shape, expected in parts:
             sizes = list(expected.values())
             if len(shape) != len(sizes) or any(
@@ -107,7 +121,7 @@ class Prefix:
                     f"prefix tokens [batch={batch}, pos={pos}]. The parts of a Prefix must come "
                     "from one run: make prefixes with prefill(model, tokens)"
                 )
-        if not self.cache.frozen or not all(entry.frozen for entry in self.cache):
+        if not ops.is_frozen(self.cache):
             raise FrozenCacheError(
                 "Prefix.cache is not frozen, so a forward pass could store into the shared "
                 "prefix; call prefix.cache.freeze() (prefill returns it frozen)"
@@ -152,16 +166,7 @@ class Prefix:
         )
 
 
-def _model_config(model: Any, what: str) -> Any:
-    cfg = getattr(model, "cfg", None)
-    if cfg is None or not callable(model):
-        raise TypeError(
-            f"{what} needs a TransformerLens HookedTransformer as model, got {type(model).__name__}"
-        )
-    return cfg
-
-
-def _prefix_tokens(model: Any, tokens_or_text: Any) -> torch.Tensor:
+def _prefix_tokens(backend: Backend, tokens_or_text: Any) -> torch.Tensor:
     name = "tokens_or_text"
     if isinstance(tokens_or_text, str) or (
         isinstance(tokens_or_text, list) and any(isinstance(t, str) for t in tokens_or_text)
@@ -170,13 +175,13 @@ def _prefix_tokens(model: Any, tokens_or_text: Any) -> torch.Tensor:
             isinstance(t, str) for t in tokens_or_text
         ):
             raise TypeError(f"{name} mixes text and token ids; pass a list of str or of ints")
-        if getattr(model, "tokenizer", None) is None:
+        if backend.tokenizer is None:
             raise ValueError(
                 f"{name} is text but the model has no tokenizer; pass token ids "
                 "(a [batch, pos] tensor) and an attention_mask instead"
             )
-        tokens_or_text = model.to_tokens(tokens_or_text)
-    tokens = check_tokens(tokens_or_text, model.cfg, name, rank=None)
+        tokens_or_text = backend.to_tokens(tokens_or_text)
+    tokens = check_tokens(tokens_or_text, token_limits(backend), name, rank=None)
     if tokens.dim() == 1:
         tokens = tokens[None]
     if tokens.dim() != 2 or tokens.shape[0] == 0:
@@ -187,13 +192,9 @@ def _prefix_tokens(model: Any, tokens_or_text: Any) -> torch.Tensor:
     return tokens
 
 
-def _prefix_mask(model: Any, tokens: torch.Tensor, attention_mask: Any) -> torch.Tensor:
+def _prefix_mask(backend: Backend, tokens: torch.Tensor, attention_mask: Any) -> torch.Tensor:
     if attention_mask is None:
-        if tokens.shape[0] > 1 and getattr(model, "tokenizer", None) is not None:
-            from transformer_lens.utilities import get_attention_mask
-
-            return get_attention_mask(model.tokenizer, tokens, model.cfg.default_prepend_bos).long()
-        return torch.ones_like(tokens, dtype=torch.long)
+        return backend.default_mask(tokens)
     try:
         mask = torch.as_tensor(attention_mask, device=tokens.device)
     except (TypeError, ValueError, RuntimeError):
@@ -234,16 +235,19 @@ def prefill(
 
     **Arguments:**
 
-    - `model`: a TransformerLens `HookedTransformer`.
+    - `model`: a TransformerLens `HookedTransformer` or a HuggingFace causal LM.
     - `tokens_or_text`: `[batch, pos]` (or `[pos]`) token ids, or text when the model
       has a tokenizer.
     - `attention_mask`: `[batch, pos]`, 0 on left padding; all ones when omitted
       (TransformerLens' own mask from the tokenizer for a batch of text).
     - `keep_residuals`: keep the residual stream entering each layer, so that
       [`ablate_write`][safelens.ablate_write] skips the layers before the edit (memory:
-      `n_layers * batch * pos * d_model` values, about as much as the cache).
+      `n_layers * batch * pos * d_model` values, about as much as the cache). Only
+      where the backend reuses residuals (`HookedTransformer`); elsewhere none are kept.
 
-    **Returns:** a [`Prefix`][safelens.Prefix] whose cache is frozen.
+    **Returns:** a [`Prefix`][safelens.Prefix] whose cache is frozen: a
+    [`KeyValueCache`][safelens.KeyValueCache] on a `HookedTransformer`, an
+    [`HFKeyValueCache`][safelens.HFKeyValueCache] on a HuggingFace model.
 
     **Raises:** `ValueError` for text without a tokenizer;
     [`TokenError`][safelens.TokenError] for tokens that are not integer ids in
@@ -261,35 +265,38 @@ def prefill(
 
     ```
     """
-    refuse_ungrouped(_model_config(model, "prefill"), "prefill")
-    tokens = _prefix_tokens(model, tokens_or_text)
-    tokens = tokens.to(model.cfg.device)
-    mask = _prefix_mask(model, tokens, attention_mask)
+    backend = backend_of(model, "prefill")
+    tokens = _prefix_tokens(backend, tokens_or_text).to(backend.device)
+    mask = _prefix_mask(backend, tokens, attention_mask)
     flag(keep_residuals, "keep_residuals")
-    cache = KeyValueCache.init_cache(model.cfg, model.cfg.device, batch_size=tokens.shape[0])
+    cache = backend.empty_cache(tokens.shape[0])
     residuals: dict[int, torch.Tensor] = {}
 
-    def keep(resid: torch.Tensor, hook: Any) -> None:
-        residuals[hook.layer()] = resid
+    def keeper(layer: int) -> Any:
+        def keep(resid: torch.Tensor, hook: Any) -> None:
+            residuals[layer] = resid
 
-    layers = range(model.cfg.n_layers) if keep_residuals else range(0)
-    points = [(model.hook_dict[f"blocks.{i}.hook_resid_pre"], keep) for i in layers]
-    with torch.no_grad(), thread_hooks(points):
-        logits = model(tokens, attention_mask=mask, past_kv_cache=cache)
+        return keep
+
+    keep = keep_residuals and backend.reuses_residuals
+    layers = range(backend.n_layers) if keep else range(0)
+    hooks = [(backend.residual_hook(i), keeper(i)) for i in layers]
+    with torch.no_grad(), backend.pass_hooks(cache, hooks):
+        logits = backend.forward(tokens, mask, cache)
     cache.freeze()
-    kept = tuple(residuals[i] for i in range(model.cfg.n_layers)) if keep_residuals else None
+    kept = tuple(residuals[i] for i in layers) if keep else None
     return Prefix(cache, tokens, mask, logits[:, -1], kept)
 
 
-def check_prefix(model: Any, prefix: Prefix, what: str) -> Any:
-    """Check `prefix` is a sound `Prefix` made by `model`; return `model.cfg`.
+def check_prefix(model: Any, prefix: Prefix, what: str) -> Backend:
+    """Check `prefix` is a sound `Prefix` made by `model`; return `model`'s backend.
 
     **Raises:** `TypeError` for a model or prefix of the wrong type; what
     [`Prefix.check`][safelens.Prefix.check] raises; and
     [`CacheConfigError`][safelens.CacheConfigError] when the prefix was made by another
-    model (its cache or logits do not fit `model.cfg`).
+    model (its cache or logits do not fit `model`).
     """
-    cfg = _model_config(model, what)
+    backend = backend_of(model, what)
     if not isinstance(prefix, Prefix):
         raise TypeError(
             f"{what} needs a Prefix (from safelens.prefill), got {type(prefix).__name__}; "
@@ -297,11 +304,10 @@ def check_prefix(model: Any, prefix: Prefix, what: str) -> Any:
         )
     prefix.check()
     try:
-        prefix.cache.check_fits(cfg)
-        d_vocab = getattr(cfg, "d_vocab_out", cfg.d_vocab)
-        if prefix.last_logits.shape[-1] != d_vocab:
+        backend.check_cache(prefix.cache, what)
+        if prefix.last_logits.shape[-1] != backend.d_vocab:
             raise CacheConfigError(
-                f"last_logits: cfg expects d_vocab_out={d_vocab}, prefix has "
+                f"last_logits: cfg expects d_vocab_out={backend.d_vocab}, prefix has "
                 f"{prefix.last_logits.shape[-1]}"
             )
     except CacheConfigError as error:
@@ -309,4 +315,4 @@ def check_prefix(model: Any, prefix: Prefix, what: str) -> Any:
             f"{what}: the prefix was made by another model; {error}. Run "
             "prefill(model, tokens) with the model you continue it with"
         ) from None
-    return cfg
+    return backend
