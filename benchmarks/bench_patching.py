@@ -106,12 +106,11 @@ def run(quick: bool = False) -> list[Row]:
     )
     for length in (8, 16) if quick else (16, 32, 64, 128, 256):
         ours, theirs, agree, note = _compare("k", 4, length, 16 if quick else 128)
-        rows.append(
-            Row(f"k grid, {length} tokens", ours, theirs, "s", agree, "", note, "tokens", length)
-        )
+        job = f"k patching grid, {length} tokens"
+        rows.append(Row(job, ours, theirs, "s", agree, "", note, "tokens", length))
     for n_layers in (2,) if quick else (2, 4, 8):
         ours, theirs, agree, note = _compare("k", n_layers, 32, 16 if quick else 128)
-        job = f"k grid, 32 tokens, {n_layers} layers"
+        job = f"k patching grid, 32 tokens, {n_layers} layers"
         rows.append(Row(job, ours, theirs, "s", agree, "", note, "layers", n_layers))
     return rows
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import platform
 import re
 from collections.abc import Iterable
@@ -116,6 +117,19 @@ def _log_axis(values: list[float]) -> bool:
     return len(positive) == len(values) and max(positive) / min(positive) >= 8
 
 
+def plot_title(members: list[Row], quantity: str) -> str:
+    """`"<what the jobs share>: <quantity> vs <scaling variable>"`, e.g. for a curve's rows.
+
+    What the jobs share is their names' common start, cut back to the last `,` or `:`
+    (`"k patching grid, 16 tokens"` and `"… 256 tokens"` share `"k patching grid"`).
+    """
+    shared = os.path.commonprefix([row.job for row in members])
+    if len(members) > 1:
+        shared = shared[: max(shared.rfind(","), shared.rfind(":"), 0)]
+    subject = f"{quantity} vs {members[0].group}"
+    return f"{shared.strip()}: {subject}" if shared.strip() else subject
+
+
 def plot_groups(rows: Iterable[Row], out_dir: Path) -> list[Path]:
     """One PNG per row group with x values: safelens against the reference, cost vs x."""
     import matplotlib
@@ -145,9 +159,10 @@ def plot_groups(rows: Iterable[Row], out_dir: Path) -> list[Path]:
         axes.set_xticks(xs, labels=[f"{x:g}" for x in xs])
         if _log_axis([r.safelens for r in members] + [r.reference for r in members]):
             axes.set_yscale("log")
-        axes.set_xlabel(group)
-        axes.set_ylabel("memory (bytes)" if unit == "bytes" else f"time ({unit})")
-        axes.set_title(f"cost vs {group}")
+        quantity = "memory held" if unit == "bytes" else "time"
+        axes.set_xlabel(members[0].group)
+        axes.set_ylabel(f"{quantity} ({unit})")
+        axes.set_title(plot_title(members, quantity))
         axes.grid(True, which="both", alpha=0.3)
         axes.legend()
         figure.tight_layout()

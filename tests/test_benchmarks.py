@@ -10,7 +10,7 @@ import pytest
 
 import benchmarks.__main__ as cli
 from benchmarks._common import Row
-from benchmarks.report import markdown_table, minimum_ratio, target_met, write_report
+from benchmarks.report import markdown_table, minimum_ratio, plot_title, target_met, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -57,6 +57,23 @@ def test_markdown_table_has_a_line_per_row_and_marks_disagreement() -> None:
     assert "| fast job | 2 ms | 50 ms | 25.00× | yes | ≥15× faster | yes |" == lines[2]
     assert "memory \\| prefix" in lines[3] and "1 MiB" in lines[3] and "32 MiB" in lines[3]
     assert "**NO**" in lines[3] and lines[3].endswith("| yes |")
+
+
+def test_plot_title_names_what_the_jobs_share_and_the_scaling_variable() -> None:
+    grid = [
+        Row(f"k patching grid, {n} tokens", 1.0, 2.0, "s", True, group="tokens", x=n)
+        for n in (16, 128)
+    ]
+    assert plot_title(grid, "time") == "k patching grid: time vs tokens"
+    memory = [
+        Row(f"P=512: {n} continuations", 1.0, 2.0, "bytes", True, group="continuations", x=n)
+        for n in (1, 8)
+    ]
+    assert plot_title(memory, "memory held") == "P=512: memory held vs continuations"
+    assert plot_title(curve("layers", [1.0, 2.0, 3.0]), "time") == "time vs layers"
+    assert (
+        plot_title([Row("x", 1, 1, "s", True, group="layers", x=2)], "time") == "x: time vs layers"
+    )
 
 
 def test_write_report_writes_table_header_and_one_plot_per_group(tmp_path: Path) -> None:
