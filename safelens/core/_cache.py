@@ -466,7 +466,13 @@ class KeyValueCache:
 
         ```
         """
-        return load_cache(cls, path, device)
+        return load_cache(
+            lambda pairs, mask, frozen: cls(
+                [KeyValueCacheEntry(*pair) for pair in pairs], mask, frozen
+            ),
+            path,
+            device,
+        )
 
     def check_fits(self, cfg: Any) -> None:
         """Check this cache fits model config `cfg`: layers, KV heads, `d_head`, dtype.

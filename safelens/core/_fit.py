@@ -14,19 +14,27 @@ computed it, so a cache from another model of the same sizes fits.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ._cache_entry import KeyValueCacheEntry
 from ._config import CacheDimensions
 from ._errors import CacheConfigError
+from ._persistence import CachedLayer
+from ._tensor_layout import POSITION_MAJOR, TensorLayout
 
 __all__ = ["check_fits"]
 
 
-def check_fits(entries: list[KeyValueCacheEntry], cfg: Any) -> None:
-    """Raise `CacheConfigError` listing every way a cache of `entries` does not fit `cfg`."""
+def check_fits(
+    entries: Sequence[CachedLayer], cfg: Any, layout: TensorLayout = POSITION_MAJOR
+) -> None:
+    """Raise `CacheConfigError` listing every way a cache of `entries` does not fit `cfg`.
+
+    The entries' tensors are in `layout`; an entry that holds nothing yet (keys `None`)
+    fits any config.
+    """
     dims = CacheDimensions.of(cfg)
     problems = []
     if len(entries) != dims.n_layers:
@@ -34,14 +42,17 @@ def check_fits(entries: list[KeyValueCacheEntry], cfg: Any) -> None:
     mismatches: dict[tuple[str, str, str], list[int | None]] = {}
     for entry in entries:
         keys = entry.keys
+        if keys is None:
+            continue
         if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
             found = f"{type(keys).__name__} of shape {getattr(keys, 'shape', None)}"
-            key = ("layout", "[batch, pos_so_far, n_kv_heads, d_head] tensors", found)
+            key = ("layout", f"{layout.shape} tensors", found)
             mismatches.setdefault(key, []).append(entry.layer)
             continue
+        sizes = layout.sizes(tuple(keys.shape))
         found_sizes: list[tuple[str, object]] = [
-            ("n_kv_heads", keys.shape[2]),
-            ("d_head", keys.shape[3]),
+            ("n_kv_heads", sizes["n_kv_heads"]),
+            ("d_head", sizes["d_head"]),
             ("dtype", keys.dtype),
         ]
         for name, value in found_sizes:

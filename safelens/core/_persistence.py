@@ -1,12 +1,15 @@
 """Saving and loading caches in safetensors files: `save_cache` and `load_cache`.
 
 A saved cache is one [safetensors](https://huggingface.co/docs/safetensors) file: the
-tensors `layers.{l}.keys` and `layers.{l}.values` (`[batch, pos_so_far, n_kv_heads,
-d_head]`, pre-rotary keys as TransformerLens stores them) and, when the cache has one,
+tensors `layers.{l}.keys` and `layers.{l}.values` in the layout of the cache that saved
+them (a `TensorLayout`: `[batch, pos_so_far, n_kv_heads, d_head]` pre-rotary keys for
+`KeyValueCache`, as TransformerLens stores them) and, when the cache has one,
 `attention_mask` (`[batch, pos_so_far]`). Its metadata holds the format marker, the
-format version, `n_layers`, `n_kv_heads`, `d_head`, `dtype`, `sequence_length`,
+format version, the layout (`layout`, `keys`, `cache_class`; files without them are
+position-major), `n_layers`, `n_kv_heads`, `d_head`, `dtype`, `sequence_length`,
 `batch_size`, whether there is an attention mask, the frozen flag, each layer's device
-and a CRC-32 checksum of every tensor. Saving writes a temporary file beside `path` and
+and a CRC-32 checksum of every tensor. A file of another layout is refused, naming the
+class that reads it. Saving writes a temporary file beside `path` and
 renames it onto `path`, so a failed save leaves any earlier file whole.
 
 The file layer (atomic writes, a strict reader that checks the header's dtypes, shapes
@@ -34,11 +37,10 @@ from dataclasses import dataclass
 from io import BufferedReader
 from os import PathLike
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
-from ._cache_entry import KeyValueCacheEntry
 from ._config import parse_dtype
 from ._errors import CacheConfigError, CacheFileError, CacheShapeError
 from ._safetensors_file import (
@@ -52,15 +54,30 @@ from ._safetensors_file import (
     tensor_spans,
     write_safetensors,
 )
+from ._tensor_layout import POSITION_MAJOR, TensorLayout
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "save_cache", "load_cache"]
 
 FORMAT = "safelens.kv_cache"
 FORMAT_VERSION = 1
 _MASK = "attention_mask"
+# Files saved before the layout was recorded are KeyValueCache's.
+_OLDEST_LAYOUT = {"layout": "position-major", "keys": "pre-rotary", "cache_class": "KeyValueCache"}
 
 CacheT = TypeVar("CacheT")
 Devices = torch.device | str | SequenceOf[torch.device | str] | Mapping[int, torch.device | str]
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class CachedLayer(Protocol):
+    """What saving reads of a layer: its index and its keys and values."""
+
+    @property
+    def layer(self) -> int | None: ...
+    @property
+    def keys(self) -> Any: ...
+    @property
+    def values(self) -> Any: ...
 
 
 def _keys_name(layer: int) -> str:
@@ -78,10 +95,10 @@ def _checksum(raw: memoryview) -> str:
 # -- saving ---------------------------------------------------------------------------
 
 
-def _layer_tensors(entries: list[KeyValueCacheEntry]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _layer_tensors(entries: SequenceOf[CachedLayer], layout: TensorLayout) -> Pairs:
     if not entries:
         raise CacheShapeError("save needs a cache with at least one layer; this cache has none")
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    pairs: Pairs = []
     for position, entry in enumerate(entries):
         if entry.layer != position:
             raise CacheShapeError(
@@ -92,7 +109,7 @@ def _layer_tensors(entries: list[KeyValueCacheEntry]) -> list[tuple[torch.Tensor
         for name, value in (("keys", keys), ("values", values)):
             if not isinstance(value, torch.Tensor) or value.dim() != 4:
                 raise CacheShapeError(
-                    f"save needs [batch, pos_so_far, n_kv_heads, d_head] tensors; layer "
+                    f"save needs {layout.shape} tensors; layer "
                     f"{position} {name} is {type(value).__name__} of shape "
                     f"{getattr(value, 'shape', None)}"
                 )
@@ -114,21 +131,25 @@ def _layer_tensors(entries: list[KeyValueCacheEntry]) -> list[tuple[torch.Tensor
 
 
 def save_cache(
-    entries: list[KeyValueCacheEntry], mask: Any, frozen: bool, path: str | PathLike[str]
+    entries: SequenceOf[CachedLayer],
+    mask: Any,
+    frozen: bool,
+    path: str | PathLike[str],
+    layout: TensorLayout = POSITION_MAJOR,
 ) -> None:
-    """Write a cache's layer `entries` (in order), `mask` and `frozen` flag to `path`.
+    """Write a cache's layer `entries` (in order, tensors in `layout`), `mask` and `frozen` flag.
 
     See the module docstring for the file.
     """
     path = Path(path)
-    pairs = _layer_tensors(entries)
+    pairs = _layer_tensors(entries, layout)
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
         raise CacheShapeError(
             f"save needs a [batch, pos_so_far] tensor attention mask or none; the cache "
             f"holds {type(mask).__name__} of shape {getattr(mask, 'shape', None)}"
         )
     keys = pairs[0][0]
-    batch, length, n_kv_heads, d_head = keys.shape
+    sizes = layout.sizes(tuple(keys.shape))
     tensors: dict[str, torch.Tensor] = {}
     for layer, (layer_keys, layer_values) in enumerate(pairs):
         tensors[_keys_name(layer)] = layer_keys
@@ -146,12 +167,15 @@ def save_cache(
     metadata = {
         "format": FORMAT,
         "format_version": str(FORMAT_VERSION),
+        "layout": layout.name,
+        "keys": layout.keys,
+        "cache_class": layout.cache_class,
         "n_layers": str(len(pairs)),
-        "n_kv_heads": str(n_kv_heads),
-        "d_head": str(d_head),
+        "n_kv_heads": str(sizes["n_kv_heads"]),
+        "d_head": str(sizes["d_head"]),
         "dtype": str(keys.dtype).removeprefix("torch."),
-        "sequence_length": str(length),
-        "batch_size": str(batch),
+        "sequence_length": str(sizes["pos_so_far"]),
+        "batch_size": str(sizes["batch"]),
         "has_attention_mask": json.dumps(mask is not None),
         "frozen": json.dumps(bool(frozen)),
         "devices": json.dumps([str(k.device) for k, _ in pairs]),
@@ -242,9 +266,27 @@ def _saved_device(path: Path, name: object, what: str) -> torch.device:
         ) from None
 
 
-def _layout(path: Path, header: dict[str, Any], data_start: int, size: int) -> _Layout:
+def _check_tensor_layout(path: Path, metadata: dict[str, str], layout: TensorLayout) -> None:
+    """Refuse a file whose tensors are in another layout than `layout`, naming its reader."""
+    present = [name for name in _OLDEST_LAYOUT if name in metadata]
+    if present and len(present) < len(_OLDEST_LAYOUT):
+        raise _bad_metadata(path, f"it has {present} but not all of {list(_OLDEST_LAYOUT)}")
+    found = [metadata.get(name, default) for name, default in _OLDEST_LAYOUT.items()]
+    if found != [layout.name, layout.keys, layout.cache_class]:
+        name, keys, cache_class = map(shown, found)
+        raise CacheFileError(
+            f"{path} holds a {name} cache with {keys} keys, saved by {cache_class}; "
+            f"{layout.cache_class}.load reads {layout.described} only, and the other "
+            f"layout's keys mean something else to the model. Load it with {cache_class}.load"
+        )
+
+
+def _layout(
+    path: Path, header: dict[str, Any], data_start: int, size: int, layout: TensorLayout
+) -> _Layout:
     """Check every metadata field against the tensors the file really holds."""
     metadata = _check_marker(path, header)
+    _check_tensor_layout(path, metadata, layout)
     spans = tensor_spans(path, header, data_start, size)
     n_layers = _count(path, metadata, "n_layers")
     has_mask = _flag(path, metadata, "has_attention_mask")
@@ -262,16 +304,17 @@ def _layout(path: Path, header: dict[str, Any], data_start: int, size: int) -> _
             f"{path} is corrupt: it holds tensors {shown(unexpected)} that its metadata does "
             f"not describe, and lacks {shown(missing)}"
         )
-    shape = tuple(
-        _count(path, metadata, name)
-        for name in ("batch_size", "sequence_length", "n_kv_heads", "d_head")
+    batch, length = _count(path, metadata, "batch_size"), _count(path, metadata, "sequence_length")
+    heads, d_head = _count(path, metadata, "n_kv_heads"), _count(path, metadata, "d_head")
+    shape = layout.arrange(
+        {"batch": batch, "pos_so_far": length, "n_kv_heads": heads, "d_head": d_head}
     )
     try:
         dtype = parse_dtype(_field(path, metadata, "dtype"))
     except CacheConfigError:
         raise _bad_metadata(path, f"dtype={shown(metadata['dtype'])} is not a dtype") from None
     for name, span in spans.items():
-        want = shape[:2] if name == _MASK else shape
+        want = (batch, length) if name == _MASK else shape
         if span.shape != want or (name != _MASK and span.dtype != dtype):
             raise CacheFileError(
                 f"{path} is corrupt: {name} has shape {span.shape} and dtype "
@@ -362,24 +405,26 @@ def _target_devices(devices: Devices | None, layout: _Layout) -> list[torch.devi
     return [_device_argument(devices[layer], f"device[{layer}]") for layer in range(n_layers)]
 
 
-def _moved(tensor: torch.Tensor, device: torch.device, what: str) -> torch.Tensor:
+def _moved(tensor: torch.Tensor, device: torch.device, what: str, reader: str) -> torch.Tensor:
     try:
         return tensor.to(device)
     except (RuntimeError, AssertionError) as error:
         raise CacheFileError(
             f"cannot put the saved {what} on {device}: {error}. Pass device='cpu' (or a "
-            "per-layer list) to KeyValueCache.load"
+            f"per-layer list) to {reader}.load"
         ) from None
 
 
 def load_cache(
-    build: Callable[[list[KeyValueCacheEntry], torch.Tensor | None, bool], CacheT],
+    build: Callable[[Pairs, torch.Tensor | None, bool], CacheT],
     path: str | PathLike[str],
     device: Devices | None = None,
+    layout: TensorLayout = POSITION_MAJOR,
 ) -> CacheT:
-    """Read a cache written by `save_cache`, made by `build(entries, mask, frozen)`.
+    """Read a cache of `layout` written by `save_cache`, made by `build(pairs, mask, frozen)`.
 
-    See the module docstring for the file.
+    `pairs` holds each layer's `(keys, values)` in `layout`. See the module docstring for
+    the file.
     """
     path = Path(path)
     if not path.is_file():
@@ -387,22 +432,23 @@ def load_cache(
     with path.open("rb") as file:
         size = os.fstat(file.fileno()).st_size
         header, data_start = read_header(path, file, size)
-        layout = _layout(path, header, data_start, size)
-        devices = _target_devices(device, layout)
-        tensors = _read_tensors(path, file, data_start, layout)
+        saved = _layout(path, header, data_start, size, layout)
+        devices = _target_devices(device, saved)
+        tensors = _read_tensors(path, file, data_start, saved)
+    reader = layout.cache_class
+    pairs = [
+        (
+            _moved(tensors[_keys_name(layer)], devices[layer], f"layer {layer} keys", reader),
+            _moved(tensors[_values_name(layer)], devices[layer], f"layer {layer} values", reader),
+        )
+        for layer in range(saved.n_layers)
+    ]
+    mask = None
+    if _MASK in tensors:
+        mask_device = devices[0] if device is not None else saved.mask_device
+        assert mask_device is not None  # _layout pairs a mask with its device
+        mask = _moved(tensors[_MASK], mask_device, "attention mask", reader)
     try:  # the containers check what they hold, e.g. that a mask is integer
-        entries = [
-            KeyValueCacheEntry(
-                _moved(tensors[_keys_name(layer)], devices[layer], f"layer {layer} keys"),
-                _moved(tensors[_values_name(layer)], devices[layer], f"layer {layer} values"),
-            )
-            for layer in range(layout.n_layers)
-        ]
-        mask = None
-        if _MASK in tensors:
-            mask_device = devices[0] if device is not None else layout.mask_device
-            assert mask_device is not None  # _layout pairs a mask with its device
-            mask = _moved(tensors[_MASK], mask_device, "attention mask")
-        return build(entries, mask, layout.frozen)
+        return build(pairs, mask, saved.frozen)
     except CacheShapeError as error:
         raise CacheFileError(f"{path} does not hold a valid cache: {error}") from None

@@ -185,8 +185,10 @@ def read_header(path: Path, file: BufferedReader, size: int) -> tuple[dict[str, 
     than 256 KiB, or a header that is not a JSON object with unique keys.
     """
     start = file.read(_HEADER_BYTES)
+    # A header length can start with a signature's bytes too (0x80 is 128); a JSON header
+    # then follows, where a pickle or zip file has other bytes.
     for signature, kind in _NOT_SAFETENSORS:
-        if start.startswith(signature):
+        if start.startswith(signature) and file.peek(1)[:1] != b"{":
             raise CacheFileError(
                 f"{path} is {kind}, not a safetensors cache file; safelens never "
                 "unpickles files (that can run code). Save caches with cache.save(path)"
