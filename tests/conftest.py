@@ -1,10 +1,82 @@
+"""Test set-up: `tests/` on the path, no gradients, and the TransformerLens 4 skips.
+
+TransformerLens 4 removed `HookedTransformer` (and `HookedTransformerConfig`,
+`transformer_lens.components`, …). In an environment with TransformerLens 4, a test that
+needs them is skipped with the reason `HOOKED_TRANSFORMER_REMOVED`: a test marked
+`@pytest.mark.hooked_transformer`, a docstring example that builds a `HookedTransformer`,
+and a whole test file or safelens module (its doctests) whose import fails on one of
+those parts. Any other import error still fails the run.
+"""
+
 import sys
+from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+HOOKED_TRANSFORMER_REMOVED = "HookedTransformer was removed in TransformerLens 4"
+HAS_HOOKED_TRANSFORMER = int(version("transformer-lens").split(".")[0]) < 4
+
+
+def _needs_hooked_transformer(error: BaseException | None) -> bool:
+    """Whether `error` (or what caused it) is an import of a part TransformerLens 4 removed."""
+    while error is not None:
+        if isinstance(error, ImportError):
+            frame = error.__traceback__
+            while frame is not None and frame.tb_next is not None:
+                frame = frame.tb_next
+            raised_in = "" if frame is None else frame.tb_frame.f_globals.get("__name__", "")
+            if "transformer_lens" in {(error.name or "").split(".")[0], raised_in.split(".")[0]}:
+                return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _skip_if_hooked_transformer_missing(collect: Callable[[], Any]) -> Callable[[], Any]:
+    def collect_or_skip() -> Any:
+        try:
+            return list(collect())
+        except Exception as error:
+            if _needs_hooked_transformer(error):
+                pytest.skip(HOOKED_TRANSFORMER_REMOVED)
+            raise
+
+    return collect_or_skip
+
+
+class _WithoutHookedTransformer:
+    """Hooks for an environment with TransformerLens 4, for tests/ and safelens/ alike."""
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_collect_file(self, file_path: Path, parent: pytest.Collector) -> Any:
+        collectors = yield
+        for collector in collectors or ():
+            collector.collect = _skip_if_hooked_transformer_missing(collector.collect)
+        return collectors
+
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        skip = pytest.mark.skip(reason=HOOKED_TRANSFORMER_REMOVED)
+        for item in items:
+            examples = getattr(getattr(item, "dtest", None), "examples", ())
+            if item.get_closest_marker("hooked_transformer") or any(
+                "HookedTransformer" in example.source for example in examples
+            ):
+                item.add_marker(skip)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "hooked_transformer: needs TransformerLens' HookedTransformer (skipped on "
+        "TransformerLens 4, which removed it)",
+    )
+    if not HAS_HOOKED_TRANSFORMER:
+        config.pluginmanager.register(_WithoutHookedTransformer(), "without-hooked-transformer")
 
 
 @pytest.fixture(autouse=True)

@@ -10,9 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import transformers
 from hf_models import CONFIGS, ids, model, run
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from packaging.version import Version
 from transformers import DynamicCache
 from transformers.cache_utils import CacheLayerMixin
 
@@ -93,8 +95,8 @@ def test_gradients_flow_through_the_cache_as_without_it():
     with torch.enable_grad():
         embeds = lm.get_input_embeddings()(tokens).detach().requires_grad_()
         cache = HFKeyValueCache()
-        first = lm(inputs_embeds=embeds[:, :5], cache=cache).logits
-        second = lm(inputs_embeds=embeds[:, 5:], cache=cache).logits
+        first = run(lm, None, cache, inputs_embeds=embeds[:, :5])
+        second = run(lm, None, cache, inputs_embeds=embeds[:, 5:])
         (ours,) = torch.autograd.grad(torch.cat([first, second], 1).square().sum(), embeds)
         (reference,) = torch.autograd.grad(lm(inputs_embeds=embeds).logits.square().sum(), embeds)
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
@@ -126,7 +128,11 @@ def test_assisted_generation_crops_in_place_and_matches():
     reference = lm.generate(prompt, max_new_tokens=6, do_sample=False)
     cache = HFKeyValueCache()
     assisted = lm.generate(
-        prompt, max_new_tokens=6, do_sample=False, assistant_model=model("qwen2"), cache=cache
+        prompt,
+        max_new_tokens=6,
+        do_sample=False,
+        assistant_model=model("qwen2"),
+        **{hf_cache_argument(lm): cache},
     )
     assert torch.equal(assisted, reference)
     assert cache.get_seq_length() == reference.shape[1] - 1
@@ -137,7 +143,9 @@ def test_generate_from_a_fork_of_a_frozen_prefix():
     prefix = prefilled("llama", prompt[:, :6])
     prefix.freeze()
     before = state(prefix)
-    ours = lm.generate(prompt, max_new_tokens=4, do_sample=False, cache=prefix.fork())
+    ours = lm.generate(
+        prompt, max_new_tokens=4, do_sample=False, **{hf_cache_argument(lm): prefix.fork()}
+    )
     assert torch.equal(ours, lm.generate(prompt, max_new_tokens=4, do_sample=False))
     assert_state(prefix, before)
 
@@ -409,7 +417,8 @@ def test_cache_argument_name():
         def forward(self, input_ids):
             return input_ids
 
-    assert hf_cache_argument(model("gpt2")) == "cache"
+    renamed = Version(transformers.__version__) >= Version("5.24")
+    assert hf_cache_argument(model("gpt2")) == ("cache" if renamed else "past_key_values")
     assert hf_cache_argument(Old()) == "past_key_values"
     with pytest.raises(CacheConfigError, match="takes neither cache= nor past_key_values="):
         hf_cache_argument(Neither())

@@ -29,8 +29,11 @@ def hf_cache_argument(model: torch.nn.Module) -> Literal["cache", "past_key_valu
     >>> from transformers import LlamaConfig, LlamaForCausalLM
     >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32,
     ...     num_hidden_layers=1, num_attention_heads=2, vocab_size=10))
-    >>> hf_cache_argument(model)
-    'cache'
+    >>> import transformers
+    >>> from packaging.version import Version
+    >>> renamed = Version(transformers.__version__) >= Version("5.24")
+    >>> hf_cache_argument(model) == ("cache" if renamed else "past_key_values")
+    True
 
     ```
     """
