@@ -87,12 +87,12 @@ class HFCacheOps(CacheOps):
         return bool(cache.frozen)
 
     def replaced(self, cache: Any, layers: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
-        result = HFKeyValueCache()
+        result = HFKeyValueCache(naming=cache.naming)
         for held in cache.layers:
             if held.layer in layers:
                 keys, values = (t.transpose(1, 2).contiguous() for t in layers[held.layer])
                 result.layers.append(
-                    HFCacheLayer(held.layer, Sequence.of(keys), Sequence.of(values))
+                    HFCacheLayer(held.layer, Sequence.of(keys), Sequence.of(values), cache.naming)
                 )
             else:
                 result.layers.append(held.derived(Sequence.fork))

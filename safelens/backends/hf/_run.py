@@ -281,6 +281,6 @@ def run(
         )
     tokens = _checked_input(backend, cache, input)
     mask = _checked_mask(forward_args.get("attention_mask"), tokens, backend.caches.length(cache))
-    with module_hooks(backend, cache, fwd_hooks, reset_hooks_end, clear_contexts):
+    with backend.hooks(cache, fwd_hooks, reset_hooks_end, clear_contexts):
         logits = backend.forward(tokens, mask, cache)
     return logits if return_type == "logits" else None

@@ -1,0 +1,123 @@
+"""The TransformerBridge adapter: `BridgeBackend`.
+
+TransformerLens' `TransformerBridge` (TransformerLens 3.9 and 4.x) wraps a HuggingFace
+causal LM, whose attention the bridge re-implements with TransformerLens hook points.
+Its cache is the HuggingFace one, an [`HFKeyValueCache`][safelens.HFKeyValueCache]:
+head-major `[batch, n_kv_heads, pos, d_head]` keys *after* the rotary embedding, no
+stored attention mask. So `BridgeBackend` is `HFBackend` (sizes, position ids from the
+full mask, write-time edits at the cache's `hook_k_new` / `hook_v_new`) with three
+differences:
+
+- every pass goes through the bridge (so the bridge's hooks fire) inside
+  [`cache_pass`][safelens.backends.bridge._cache_pass.cache_pass], which makes the
+  cache reach the bridge's attention under every transformers version (the >= 5.24
+  `cache=` rename, which the bridge's attention does not read) or refuses the pass;
+- hook names are the bridge's (`blocks.{l}.attn.hook_q`, …) and the cache's, named
+  to match: `blocks.{l}.kv_cache.{hook_k_new, hook_v_new, hook_k_full, hook_v_full}`
+  (`HFKeyValueCache(naming="bridge")`); see `safelens.backends.bridge._hooks`;
+- text is tokenized by the bridge's `to_tokens` (left padding).
+
+Caveat: hooks on the bridge's own hook points act on every thread's passes while
+attached (TransformerLens' bookkeeping); cache hooks and the cache itself are the
+pass's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Literal
+
+import torch
+
+from .._backend import CacheLayout, FwdHooks, NamesFilter
+from ..hf._backend import HFBackend, HFCacheOps
+from ..hf._cache import HFKeyValueCache
+from ..hf._model import hf_cache_argument
+from ._cache_pass import cache_pass
+from ._hooks import bridge_hooks, select_cache_hooks
+
+__all__ = ["BRIDGE_CACHE", "BridgeBackend"]
+
+
+class BridgeCacheOps(HFCacheOps):
+    """An `HFKeyValueCache`'s ops, with the bridge's cache hook names."""
+
+    layout = CacheLayout(
+        pos_axis=2, heads_axis=1, rotary="post", hook_prefix="blocks.{layer}.kv_cache"
+    )
+
+
+BRIDGE_CACHE = BridgeCacheOps()
+_POINTS = ("hook_k_new", "hook_v_new", "hook_k_full", "hook_v_full")
+
+
+class BridgeBackend(HFBackend):
+    """A TransformerLens `TransformerBridge`, as the experiments see it."""
+
+    family = "bridge"
+    caches = BRIDGE_CACHE
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model.original_model)
+        self.model = model
+
+    def check_model(self, what: str) -> None:
+        hf_cache_argument(self.model.original_model)
+
+    def to_tokens(self, text: str | list[str]) -> torch.Tensor:
+        tokens: torch.Tensor = self.model.to_tokens(text, padding_side="left")
+        return tokens
+
+    def empty_cache(self, batch: int) -> HFKeyValueCache:
+        return HFKeyValueCache(config=self._sizes, naming="bridge")
+
+    def check_cache(self, cache: Any, what: str) -> None:
+        super().check_cache(cache, what)
+        if cache.naming != "bridge":
+            raise TypeError(
+                f"{what}: a TransformerBridge reads an HFKeyValueCache(naming='bridge'), whose "
+                f"hook names are blocks.{{layer}}.kv_cache.…; got naming={cache.naming!r}. Make "
+                "the prefix with prefill(bridge, tokens)"
+            )
+
+    def _call(self, tokens: torch.Tensor, attention_mask: torch.Tensor, cache: Any) -> Any:
+        """The bridge's logits for `tokens` after `cache`'s positions, `attention_mask` full."""
+        past = self.caches.length(cache)
+        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+        mask = None if bool(attention_mask.all()) else attention_mask
+        with cache_pass(self.model, cache) as argument:
+            logits = self.model(
+                tokens,
+                attention_mask=mask,
+                position_ids=positions[:, past:],
+                use_cache=True,
+                **argument,
+            )
+        return logits
+
+    def forward_continuations(
+        self, tokens: torch.Tensor, attention_mask: torch.Tensor, cache: Any
+    ) -> Any:
+        """Plain passes: the bridge's attention is its own, with no shared-prefix read."""
+        return self._call(tokens, attention_mask, cache)
+
+    def write_hook(self, layer: int, target: Literal["keys", "values"]) -> str:
+        return BRIDGE_CACHE.layout.hook_name(layer, f"hook_{target[0]}_new")
+
+    @contextmanager
+    def pass_hooks(self, cache: Any, fwd_hooks: FwdHooks) -> Iterator[None]:
+        """Cache hooks on `cache`; bridge hooks through the bridge's own `hooks()`."""
+        with bridge_hooks(self, cache, fwd_hooks):
+            yield
+
+    def cache_hook_names(self) -> list[str]:
+        return [BRIDGE_CACHE.layout.hook_name(i, p) for i in range(self.n_layers) for p in _POINTS]
+
+    def select_cache_hooks(self, names: NamesFilter) -> list[str]:
+        return select_cache_hooks(self, names)
+
+    def hooks(
+        self, cache: Any, fwd_hooks: FwdHooks, reset_hooks_end: bool, clear_contexts: bool
+    ) -> AbstractContextManager[Any]:
+        return bridge_hooks(self, cache, fwd_hooks, reset_hooks_end, clear_contexts)

@@ -1,0 +1,119 @@
+"""One `fwd_hooks` list for a TransformerBridge's hook points and its cache's.
+
+TransformerLens users write `bridge.run_with_hooks(tokens, fwd_hooks=[(name, fn), ...])`.
+Through safelens ([`run_with_hooks`][safelens.run_with_hooks], `backend.hooks`) the
+same list may also name the cache's hook points,
+`blocks.{layer}.kv_cache.{hook_k_new, hook_v_new, hook_k_full, hook_v_full}`, beside the
+bridge's own `blocks.{layer}.attn.hook_q`, `blocks.{layer}.hook_resid_pre`, …: the list
+is split, bridge names going to the bridge's hook points through its own `hooks()`
+(so they see what `bridge.run_with_hooks` shows, after the bridge's conversions), cache
+names to the cache's [`CacheHookPoint`][safelens.CacheHookPoint]s.
+
+A name filter is a name, a list of names, or a predicate over every bridge and cache
+hook name. Every name is checked before any hook is attached; the block's hooks are
+removed on exit (with `reset_hooks_end`), also on error, and a pass that fails inside
+leaves the cache as it was.
+
+Caveats: the cache's hooks see head-major `[batch, n_kv_heads, pos, d_head]` keys after
+the rotary embedding (`safelens.backends.hf._layer`); the bridge's `hook_k` sees
+`[batch, pos, n_kv_heads, d_head]` before it. Hooks on the bridge's hook points use
+TransformerLens' bookkeeping, so while attached they act on every thread's passes
+through the bridge (unlike HookedTransformer's and HuggingFace models' safelens passes).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from ...core._errors import HookError
+from .._backend import FwdHooks, NamesFilter
+from ..hf._cache import HFKeyValueCache
+from ..hf._run import _pairs
+
+if TYPE_CHECKING:
+    from ._backend import BridgeBackend
+
+__all__ = ["bridge_hooks", "select_cache_hooks"]
+
+
+def _resolve(
+    backend: BridgeBackend, names: NamesFilter, cache_only: bool = False
+) -> tuple[list[str], list[str]]:
+    """`(bridge_names, cache_names)` that `names` selects, or a `HookError` saying why not."""
+    cache_names = backend.cache_hook_names()
+    bridge_names = list(backend.model.hook_dict)
+    if callable(names):
+        chosen = [] if cache_only else [n for n in bridge_names if names(n)]
+        return chosen, [n for n in cache_names if names(n)]
+    listed = [names] if isinstance(names, str) else names
+    if not isinstance(listed, Seq) or not all(isinstance(n, str) for n in listed):
+        raise HookError(
+            "a hook name filter must be a name, a list of names or a function "
+            f"fn(name) -> bool, got {names!r}"
+        )
+    known_cache, known_bridge = set(cache_names), set(bridge_names)
+    chosen_bridge, chosen_cache = [], []
+    for name in listed:
+        if name in known_cache:
+            chosen_cache.append(name)
+        elif name in known_bridge and cache_only:
+            raise HookError(
+                f"{name!r} is a hook point of the bridge, not of the cache; capture it with "
+                "bridge.run_with_cache(..., names_filter=...)"
+            )
+        elif name in known_bridge:
+            chosen_bridge.append(name)
+        else:
+            close = difflib.get_close_matches(name, cache_names + bridge_names, n=5, cutoff=0.6)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise HookError(
+                f"unknown hook name {name!r}: neither a hook point of the bridge nor a cache "
+                f"hook point blocks.{{0..{backend.n_layers - 1}}}.kv_cache.{{hook_k_new, "
+                f"hook_v_new, hook_k_full, hook_v_full}}{hint}"
+            )
+    return chosen_bridge, chosen_cache
+
+
+def select_cache_hooks(backend: BridgeBackend, names: NamesFilter) -> list[str]:
+    """The cache hook names `names` selects; a bridge hook name is a `HookError`."""
+    return _resolve(backend, names, cache_only=True)[1]
+
+
+@contextmanager
+def bridge_hooks(
+    backend: BridgeBackend,
+    cache: HFKeyValueCache,
+    fwd_hooks: FwdHooks,
+    reset_hooks_end: bool = True,
+    clear_contexts: bool = False,
+) -> Iterator[Any]:
+    """Attach `fwd_hooks` (bridge and cache names) for the block; yields the bridge.
+
+    Cache hooks are attached through `cache.hooks` (inside `cache.guard()`), bridge
+    hooks through `bridge.hooks(reset_hooks_end=, clear_contexts=)`.
+    """
+    if not isinstance(cache, HFKeyValueCache) or cache.naming != "bridge":
+        raise HookError(
+            "cache hooks on a TransformerBridge need an HFKeyValueCache(naming='bridge') "
+            f"(hook names blocks.{{layer}}.kv_cache.…), got {cache!r}; make it with "
+            "backend_of(bridge).empty_cache(batch) or prefill(bridge, tokens)"
+        )
+    resolved = [(_resolve(backend, names), fn) for names, fn in _pairs(fwd_hooks)]
+    bridge_pairs = [(name, fn) for (names, _), fn in resolved for name in names]
+    cache_pairs = [(names, fn) for (_, names), fn in resolved if names]
+    with (
+        cache.hooks(cache_pairs),
+        backend.model.hooks(
+            fwd_hooks=bridge_pairs, reset_hooks_end=reset_hooks_end, clear_contexts=clear_contexts
+        ),
+    ):
+        try:
+            yield backend.model
+        finally:
+            if clear_contexts:
+                for point in cache.hook_points().values():
+                    point.clear_context()
