@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from os import PathLike
 from typing import Any
 
 import torch
@@ -33,9 +34,11 @@ from ...core._config import CacheDimensions
 from ...core._errors import CacheShapeError, FrozenCacheError, HookError
 from ...core._frozen import FrozenFlag
 from ...core._hook_point import CacheHookPoint
+from ...core._persistence import Devices
 from ...core._storage import Sequence
 from ._hooks import FwdHooks, attached, resolve, resolve_hooks
 from ._layer import HOOK_POINTS, HFCacheLayer, HookNaming, check_naming
+from ._persistence import check_layers_fit, load_layers, save_layers, text_config
 
 __all__ = ["HFKeyValueCache"]
 
@@ -71,12 +74,7 @@ class HFKeyValueCache(Cache):
         super().__init__(layers=[])
         self.naming = check_naming(naming)
         if config is not None:
-            text = (
-                config.get_text_config(decoder=True)
-                if hasattr(config, "get_text_config")
-                else config
-            )
-            self._grow(CacheDimensions.of(text).n_layers)
+            self._grow(CacheDimensions.of(text_config(config)).n_layers)
         self._frozen = bool(frozen)
         self._pass: Callable[[], None] | None = None
         self._last_layer = -1
@@ -379,6 +377,108 @@ class HFKeyValueCache(Cache):
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         """-1: no maximum length (transformers < 5 asks under this name)."""
         return -1
+
+    # -- persistence ------------------------------------------------------------------
+
+    def save(self, path: str | PathLike[str]) -> None:
+        """Write this cache to a safetensors file at `path`; the cache is unchanged.
+
+        The file holds each layer's keys and values head-major, `[batch, n_kv_heads,
+        pos_so_far, d_head]`, post-rotary keys, as `layers[l].keys` shows them, and
+        metadata: format marker and version, layout (`head-major`), `n_layers`,
+        `n_kv_heads`, `d_head`, dtype, sequence length, batch size, the frozen flag, each
+        layer's device and checksums. Forks and `expand(n)` results save materialised.
+
+        **Arguments:**
+
+        - `path`: where to write (an existing file is replaced).
+
+        **Raises:** [`CacheShapeError`][safelens.CacheShapeError] when the cache has no
+        layer, a layer that holds nothing yet, or layers of differing shape or dtype;
+        `FileNotFoundError` / `OSError` naming `path` when writing fails (any file
+        already there is then unchanged), as [`KeyValueCache.save`][safelens.KeyValueCache.save].
+
+        ```python
+        >>> import tempfile, pathlib
+        >>> cache = HFKeyValueCache()
+        >>> _ = cache.update(torch.ones(1, 2, 5, 4), torch.ones(1, 2, 5, 4), 0)
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "prefix.safetensors"
+        >>> cache.save(path)
+        >>> HFKeyValueCache.load(path).layers[0].keys.shape
+        torch.Size([1, 2, 5, 4])
+
+        ```
+        """
+        save_layers(self.layers, self._frozen, path)
+
+    @classmethod
+    def load(
+        cls, path: str | PathLike[str], device: Devices | None = None, naming: HookNaming = "hf"
+    ) -> HFKeyValueCache:
+        """Read a cache written by [`save`][safelens.HFKeyValueCache.save]; runs no code.
+
+        The loaded cache has one layer per saved layer, the saved frozen flag, and
+        keys and values bitwise as saved; it continues as the saved cache would.
+
+        **Arguments:**
+
+        - `path`: a file written by `HFKeyValueCache.save`.
+        - `device`: `None` for each layer's saved device; one device for every layer;
+          or a per-layer list (or `{layer: device}` mapping naming every layer).
+        - `naming`: the hook names' scheme, as for the constructor.
+
+        **Raises:** [`CacheFileError`][safelens.CacheFileError] for a truncated,
+        corrupt, hostile or foreign file, one of another format version, one saved by
+        `KeyValueCache.save` (position-major, pre-rotary keys; the error says so), or
+        a layer that cannot be put on its device; `FileNotFoundError` when there is no
+        file; `ValueError` / `TypeError` for a bad `device`, as `KeyValueCache.load`.
+
+        ```python
+        >>> import tempfile, pathlib
+        >>> cache = HFKeyValueCache()
+        >>> for layer in (0, 1):
+        ...     _ = cache.update(torch.ones(1, 2, 5, 4), torch.ones(1, 2, 5, 4), layer)
+        >>> cache.freeze()
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "prefix.safetensors"
+        >>> cache.save(path)
+        >>> HFKeyValueCache.load(path, device="cpu", naming="bridge")
+        HFKeyValueCache(layers=2, batch=1, sequence_length=5, frozen=True)
+
+        ```
+        """
+        layers, frozen = load_layers(path, device, check_naming(naming))
+        cache = cls(frozen=frozen, naming=naming)
+        cache.layers.extend(layers)
+        return cache
+
+    def check_fits(self, config: Any) -> None:
+        """Check this cache fits HuggingFace `config`: layers, KV heads, `d_head`, dtype.
+
+        Layers that hold nothing yet fit any config.
+
+        **Arguments:**
+
+        - `config`: a HuggingFace config (a multimodal config's text config is read),
+          whose `dtype` is compared (float32 when unset); or the model itself, whose
+          parameters' dtype is compared (a model cast with `.to(dtype)` keeps the dtype
+          its config was made with).
+
+        **Raises:** [`CacheConfigError`][safelens.CacheConfigError] listing every
+        mismatch, expected (the config's) against found (the cache's).
+
+        ```python
+        >>> from types import SimpleNamespace
+        >>> cache = HFKeyValueCache()
+        >>> _ = cache.update(torch.ones(1, 2, 5, 4), torch.ones(1, 2, 5, 4), 0)
+        >>> cache.check_fits(SimpleNamespace(num_hidden_layers=1, num_attention_heads=2, head_dim=4))
+        >>> cache.check_fits(SimpleNamespace(num_hidden_layers=1, num_attention_heads=2, head_dim=8))
+        Traceback (most recent call last):
+        ...
+        safelens.core._errors.CacheConfigError: the cache does not fit the model config: d_head: cfg expects 8, cache has 4 (layers [0]). ...
+
+        ```
+        """
+        check_layers_fit(self.layers, config)
 
     # -- hook points ------------------------------------------------------------------
 
