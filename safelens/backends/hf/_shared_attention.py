@@ -79,6 +79,7 @@ class _Thread(threading.local):
     def __init__(self) -> None:
         self.inside: dict[int, int] = {}
         self.read: _Read | None = None
+        self.mask: tuple[torch.Tensor, torch.Tensor, bool] | None = None
 
 
 _THREAD = _Thread()
@@ -172,7 +173,12 @@ def _fits(query: torch.Tensor, key: torch.Tensor, read: _Read, mask: torch.Tenso
         return False
     if mask is None:
         return pos == 1
-    return mask.dim() == 4 and mask.shape[-2:] == (pos, length)
+    return (
+        mask.dim() == 4
+        and mask.shape[0] in (1, batch)
+        and mask.shape[1] in (1, n_heads)
+        and mask.shape[-2:] == (pos, length)
+    )
 
 
 def _shared_read(
@@ -184,36 +190,68 @@ def _shared_read(
     scaling: float,
     softcap: float | None,
 ) -> Float[torch.Tensor, "batch pos n_heads d_head"]:
-    """Eager attention, with the broadcast prefix read once for all rows."""
+    """Eager attention, with the broadcast prefix read once for all rows.
+
+    Works head-first, `[n_kv_heads, batch, group, pos, ...]`, so that the prefix is one
+    matmul per key/value head and its slice of the pattern needs no copy.
+    """
     batch, n_heads, pos, d_head = query.shape
     kv_heads = key.shape[1]
+    group = n_heads // kv_heads
     prefix = read.shared_keys.shape[2]
-    # [batch, n_heads, pos, d] -> [n_kv_heads, batch * group * pos, d]: one matmul per head.
-    grouped = query.reshape(batch, kv_heads, -1, d_head)
-    shared = grouped.transpose(0, 1).reshape(kv_heads, -1, d_head)
+    queries = query.reshape(batch, kv_heads, group * pos, d_head).transpose(0, 1)
+    queries = queries.reshape(kv_heads, batch * group * pos, d_head) * scaling
+    own_queries = queries.view(kv_heads, batch, group * pos, d_head)
     scores = torch.cat(
         [
-            (shared @ read.shared_keys[0].transpose(1, 2))
-            .reshape(kv_heads, batch, -1, prefix)
-            .transpose(0, 1),
-            grouped @ key[:, :, prefix:].transpose(2, 3),
+            (queries @ read.shared_keys[0].transpose(1, 2)).view(
+                kv_heads, batch, group * pos, prefix
+            ),
+            own_queries @ key[:, :, prefix:].transpose(0, 1).transpose(2, 3),
         ],
         dim=-1,
-    ).reshape(batch, n_heads, pos, -1)
-    scores = scores * scaling
+    )
+    length = scores.shape[-1]
+    scores = scores.view(kv_heads, batch, group, pos, length)
     if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if mask is not None and mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    elif mask is not None:
-        scores = scores + mask
+        scores = torch.tanh(scores / softcap).mul_(softcap)
+    blind = False
+    if mask is not None:
+        additive, blind = _additive(mask, scores.dtype)
+        heads_mask = (
+            additive[None]
+            if mask.shape[1] == 1
+            else additive.reshape(mask.shape[0], kv_heads, group, pos, length).transpose(0, 1)
+        )
+        scores = scores.add_(heads_mask)
     pattern = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    pattern = torch.nan_to_num(pattern, nan=0.0).to(value.dtype)
-    pattern = pattern.reshape(batch, kv_heads, -1, pattern.shape[-1])
-    head_first = pattern[..., :prefix].transpose(0, 1).reshape(kv_heads, -1, prefix)
-    out = (head_first @ read.shared_values[0]).reshape(kv_heads, batch, -1, d_head)
-    out = out.transpose(0, 1) + pattern[..., prefix:] @ value[:, :, prefix:]
-    return out.reshape(batch, n_heads, pos, d_head).transpose(1, 2).contiguous()
+    if blind:
+        # A query that may see no key gets zeros, as `sdpa` gives it.
+        pattern = torch.nan_to_num(pattern, nan=0.0)
+    pattern = pattern.to(value.dtype).view(kv_heads, batch * group * pos, length)
+    out = (pattern[..., :prefix] @ read.shared_values[0]).view(kv_heads, batch, group * pos, d_head)
+    own = pattern[..., prefix:].view(kv_heads, batch, group * pos, length - prefix)
+    out = out + own @ value[:, :, prefix:].transpose(0, 1)
+    out = out.view(kv_heads, batch, group, pos, d_head).permute(1, 3, 0, 2, 4)
+    return out.reshape(batch, pos, n_heads, d_head)
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """`mask` as scores to add (-inf where False), and whether some query sees no key.
+
+    Kept for the next layers, which get the same mask object.
+    """
+    kept = _THREAD.mask
+    if kept is not None and kept[0] is mask and kept[1].dtype == dtype:
+        return kept[1], kept[2]
+    if mask.dtype == torch.bool:
+        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+        additive.masked_fill_(mask.logical_not(), float("-inf"))
+        blind = not bool(mask.any(-1).all())
+    else:
+        additive, blind = mask.to(dtype), False
+    _THREAD.mask = (mask, additive, blind)
+    return additive, blind
 
 
 class _Switched:
@@ -365,6 +403,6 @@ def shared_prefix(model: Any) -> Iterator[None]:
                 if not inside[key]:
                     del inside[key]
             if not inside:
-                _THREAD.read = None
+                _THREAD.read = _THREAD.mask = None
     finally:
         _release(held)

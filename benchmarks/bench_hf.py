@@ -1,0 +1,293 @@
+"""HuggingFace rows: safelens against HuggingFace's own ways, on a Llama-like GQA model.
+
+The model: a random-weight `LlamaForCausalLM`, 4 layers, d_model 256, 8 query heads
+sharing 2 key/value heads, `sdpa` attention, on the CPU (`--quick`: 2 layers, d_model
+64, and small sizes). Rows, each run side by side on
+the same model and inputs, numbers checked to agree in the run:
+
+- N continuations of a prefix: safelens (`prefill` + `score_continuations`, whose
+  batches read the broadcast prefix once per layer under `shared_prefix`) against one HF
+  forward per prefix + continuation, and against HF's own best way: a `DynamicCache`
+  prefill, `batch_repeat_interleave(N)`, one batched forward. Log-probabilities agree to
+  `TOLERANCE`.
+- Memory of N continuations: `expand(N)` of a prefix `HFKeyValueCache` (which then
+  stores each row's own tokens) against N `DynamicCache` copies of the prefix, each
+  continued by one row; unique storage bytes, logits checked.
+- Greedy generation: safelens `prefill` + `generate` against HF `generate` with its
+  `DynamicCache`, and HF `generate` given an `HFKeyValueCache` against the same; the
+  generated tokens must be identical.
+
+Run: `python -m benchmarks.bench_hf [--quick]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import transformers
+from transformers import DynamicCache
+
+from benchmarks._common import Row, best_time
+from safelens import HFKeyValueCache, generate, hf_cache_argument, prefill, score_continuations
+
+TARGET_NAIVE = "≥15× faster than one HF forward per prefix+continuation"
+TARGET_BEST = (
+    "≥1× (aim 1.5×) HF's own best way: DynamicCache prefill, batch_repeat_interleave, "
+    "one batched forward"
+)
+TARGET_MEMORY = "prefix keys/values stored once: N× less than N DynamicCaches"
+TARGET_GENERATE = "≥0.95× HF generate with its DynamicCache, identical tokens"
+TOLERANCE = 1e-4
+VOCAB = 1000
+
+
+@dataclass(frozen=True)
+class Sizes:
+    hidden: int
+    layers: int
+    prefix: int
+    rows: int
+    new: int
+    prompt: int
+    generated: int
+    repeats: int
+    warmup: int
+
+
+FULL = Sizes(
+    hidden=256,
+    layers=4,
+    prefix=512,
+    rows=32,
+    new=8,
+    prompt=1024,
+    generated=512,
+    repeats=3,
+    warmup=1,
+)
+QUICK = Sizes(
+    hidden=64, layers=2, prefix=32, rows=4, new=4, prompt=16, generated=8, repeats=1, warmup=0
+)
+
+
+def llama_model(sizes: Sizes = FULL, seed: int = 0) -> torch.nn.Module:
+    """The SPEC §3 HF benchmark model: a random-weight Llama-like GQA causal LM."""
+    config = transformers.LlamaConfig(
+        hidden_size=sizes.hidden,
+        intermediate_size=4 * sizes.hidden,
+        num_hidden_layers=sizes.layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        vocab_size=VOCAB,
+        bos_token_id=0,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _inputs(sizes: Sizes, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(1, VOCAB, (sizes.prefix,), generator=generator)
+    continuations = torch.randint(1, VOCAB, (sizes.rows, sizes.new), generator=generator)
+    return prompt, continuations
+
+
+def _time(fn: Callable[[], object], sizes: Sizes, warmup: int | None = None) -> float:
+    return best_time(fn, sizes.repeats, sizes.warmup if warmup is None else warmup)
+
+
+def _gathered(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return logits.float().log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
+
+
+# -- continuations ---------------------------------------------------------------------
+
+
+def _safelens(model, prompt, continuations) -> torch.Tensor:
+    prefix = prefill(model, prompt, keep_residuals=False)
+    return score_continuations(model, prefix, continuations).log_probs
+
+
+def _naive(model, prompt, continuations) -> torch.Tensor:
+    start = len(prompt) - 1
+    rows = [
+        _gathered(model(torch.cat([prompt, row])[None]).logits[0, start:-1], row)
+        for row in continuations
+    ]
+    return torch.stack(rows)
+
+
+def _hf_best(model, prompt, continuations) -> torch.Tensor:
+    """HF's own way: prefill a DynamicCache, repeat it per row, one batched forward."""
+    name = hf_cache_argument(model)
+    cache = DynamicCache(config=model.config)
+    first = model(prompt[None], use_cache=True, **{name: cache}).logits[:, -1]
+    cache.batch_repeat_interleave(continuations.shape[0])
+    logits = model(continuations, use_cache=True, **{name: cache}).logits
+    logits = torch.cat([first.expand(len(continuations), -1)[:, None], logits[:, :-1]], dim=1)
+    return _gathered(logits, continuations)
+
+
+def _difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+def continuation_rows(model, sizes: Sizes, label: str = "HF Llama") -> list[Row]:
+    """safelens' continuations against one HF forward each and against HF's best way."""
+    prompt, continuations = _inputs(sizes)
+    ours = _safelens(model, prompt, continuations)
+    naive = _naive(model, prompt, continuations)
+    best = _hf_best(model, prompt, continuations)
+    t_ours = _time(lambda: _safelens(model, prompt, continuations), sizes)
+    t_naive = _time(lambda: _naive(model, prompt, continuations), sizes, warmup=0)
+    t_best = _time(lambda: _hf_best(model, prompt, continuations), sizes)
+    job = f"{label}: {sizes.rows} continuations × {sizes.new} tokens after a {sizes.prefix}-token prefix"
+    return [
+        Row(
+            f"{job}: vs one HF forward each",
+            t_ours,
+            t_naive,
+            "s",
+            _difference(ours, naive) <= TOLERANCE,
+            TARGET_NAIVE,
+            note=f"max abs log-prob diff {_difference(ours, naive):.1e}",
+        ),
+        Row(
+            f"{job}: vs DynamicCache + batch_repeat_interleave + one batched forward",
+            t_ours,
+            t_best,
+            "s",
+            _difference(ours, best) <= TOLERANCE,
+            TARGET_BEST,
+            note=f"max abs log-prob diff {_difference(ours, best):.1e}",
+        ),
+    ]
+
+
+# -- memory ----------------------------------------------------------------------------
+
+
+def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def _safelens_tensors(cache: HFKeyValueCache) -> list[torch.Tensor]:
+    # The pieces each sequence is stored in (a joined `layer.keys` would be a fresh copy).
+    held = [s for layer in cache.layers for s in (layer._keys, layer._values) if s is not None]
+    return [piece for sequence in held for piece in sequence.pieces()]
+
+
+def memory_row(model, sizes: Sizes) -> Row:
+    """Bytes held by N continuations of one prefix: `expand(N)` against N DynamicCaches."""
+    name = hf_cache_argument(model)
+    prompt, continuations = _inputs(sizes)
+    ours = HFKeyValueCache(model.config)
+    theirs = DynamicCache(config=model.config)
+    model(prompt[None], use_cache=True, **{name: ours})
+    model(prompt[None], use_cache=True, **{name: theirs})
+    ours.freeze()
+    prefix_bytes = _unique_bytes(_safelens_tensors(ours))
+    rows = ours.expand(sizes.rows)
+    logits = model(continuations, use_cache=True, **{name: rows}).logits
+    copies = [copy.deepcopy(theirs) for _ in continuations]
+    reference = torch.cat(
+        [
+            model(row[None], use_cache=True, **{name: cache}).logits
+            for row, cache in zip(continuations, copies, strict=True)
+        ]
+    )
+    their_bytes = _unique_bytes(
+        t for c in copies for layer in c.layers for t in (layer.keys, layer.values)
+    )
+    difference = _difference(logits, reference)
+    shared = ours.storages() <= rows.storages()
+    return Row(
+        f"HF Llama: {sizes.rows} continuations of {sizes.new} tokens after {sizes.prefix}, "
+        f"expand({sizes.rows}) vs {sizes.rows} DynamicCaches",
+        _unique_bytes(_safelens_tensors(rows)),
+        their_bytes,
+        "bytes",
+        difference <= TOLERANCE and shared,
+        TARGET_MEMORY,
+        note=f"prefix {prefix_bytes} bytes held once vs {sizes.rows}×; "
+        f"max abs logit diff {difference:.1e}",
+    )
+
+
+# -- generation ------------------------------------------------------------------------
+
+
+def _safelens_generate(model, prompt: torch.Tensor, new: int) -> torch.Tensor:
+    return generate(model, prefill(model, prompt, keep_residuals=False), new).tokens[0]
+
+
+def _hf_generate(model, prompt: torch.Tensor, new: int, cache: object = None) -> torch.Tensor:
+    kwargs = {} if cache is None else {hf_cache_argument(model): cache}
+    out = model.generate(prompt[None], max_new_tokens=new, do_sample=False, **kwargs)
+    return out[0, len(prompt) :]
+
+
+def generation_rows(model, sizes: Sizes) -> list[Row]:
+    """Greedy generation: safelens' and HF's with HFKeyValueCache, against HF's own."""
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(1, VOCAB, (sizes.prompt,), generator=generator)
+    new = sizes.generated
+    theirs = _hf_generate(model, prompt, new)
+    ours = _safelens_generate(model, prompt, new)
+    through = _hf_generate(model, prompt, new, HFKeyValueCache(model.config))
+    t_theirs = _time(lambda: _hf_generate(model, prompt, new), sizes)
+    t_ours = _time(lambda: _safelens_generate(model, prompt, new), sizes)
+    t_through = _time(
+        lambda: _hf_generate(model, prompt, new, HFKeyValueCache(model.config)), sizes
+    )
+    job = f"HF Llama: greedy generation, {sizes.prompt}-token prompt + {new} new tokens"
+    return [
+        Row(
+            f"{job}: safelens generate vs HF generate",
+            t_ours,
+            t_theirs,
+            "s",
+            torch.equal(ours, theirs),
+            TARGET_GENERATE,
+        ),
+        Row(
+            f"{job}: HF generate with HFKeyValueCache vs with DynamicCache",
+            t_through,
+            t_theirs,
+            "s",
+            torch.equal(through, theirs),
+            TARGET_GENERATE,
+        ),
+    ]
+
+
+def run(quick: bool = False) -> list[Row]:
+    """The benchmark rows (quick: tiny sizes, one repeat)."""
+    sizes = QUICK if quick else FULL
+    model = llama_model(sizes)
+    with torch.no_grad():
+        rows = continuation_rows(model, sizes)
+        rows.append(memory_row(model, sizes))
+        rows.extend(generation_rows(model, sizes))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short run for development")
+    args = parser.parse_args()
+    print(f"{'job':<110} {'ratio':>8}  agree  target")
+    for row in run(quick=args.quick):
+        print(f"{row.job:<110} {row.ratio:>7.2f}×  {str(row.agree):<5}  {row.target}")
+
+
+if __name__ == "__main__":
+    main()
