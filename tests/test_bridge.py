@@ -1,0 +1,265 @@
+"""TransformerBridge with an `HFKeyValueCache`: the bridge's own numbers under every transformers.
+
+References are the bridge itself (its uncached forward, its `run_with_hooks` and
+`run_with_cache`) and the HuggingFace model it wraps (an identical copy: uncached
+forward, `DynamicCache`, `generate`), on tiny random-weight Llama (GQA, rotary) and
+GPT-2 models booted offline (`bridge_models`). Runs in both CI environments, on either
+side of transformers 5.24's `past_key_values=` -> `cache=` rename.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import transformers
+from bridge_models import FAMILIES, bridge, reference
+from hf_models import ids, run
+from packaging.version import Version
+from transformers import DynamicCache
+
+from safelens import (
+    Ablation,
+    CacheConfigError,
+    HFKeyValueCache,
+    HookError,
+    ablate_read,
+    ablate_write,
+    generate,
+    prefill,
+    run_with_cache_capture,
+    run_with_hooks,
+    score_continuations,
+)
+from safelens.backends._backend import backend_of
+from safelens.backends.bridge import _cache_pass
+from safelens.backends.bridge._cache_pass import attention_modules, cache_pass
+
+RENAMED = Version(transformers.__version__) >= Version("5.24")
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def chunked(
+    name: str, tokens: torch.Tensor, cache: HFKeyValueCache, cuts: list[int]
+) -> torch.Tensor:
+    model, logits = bridge(name), []
+    for start, stop in zip([0, *cuts], [*cuts, tokens.shape[1]], strict=True):
+        with cache_pass(model, cache) as argument:
+            logits.append(model(tokens[:, start:stop], **argument))
+    return torch.cat(logits, 1)
+
+
+def pre_hooks(name: str) -> int:
+    return sum(len(module._forward_pre_hooks) for module in attention_modules(bridge(name)))
+
+
+# -- the cache through the bridge -------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_chunked_passes_give_the_bridges_and_hfs_uncached_numbers(name):
+    tokens = ids(2, 9)
+    cache = HFKeyValueCache(naming="bridge")
+    ours = chunked(name, tokens, cache, [5, 6])
+    torch.testing.assert_close(ours, bridge(name)(tokens), **TOL)
+    torch.testing.assert_close(ours, run(reference(name), tokens), **TOL)
+    theirs = DynamicCache(config=reference(name).config)
+    run(reference(name), tokens[:, :5], theirs)
+    assert cache.get_seq_length() == 9 and theirs.get_seq_length() == 5
+    torch.testing.assert_close(cache.layers[1].keys[:, :, :5], theirs.layers[1].keys, **TOL)
+    assert pre_hooks(name) == 0
+
+
+def test_the_trap_as_measured_a_cache_passed_plainly_is_ignored_after_the_rename():
+    """transformers >= 5.24: the bridge leaves a cache passed as cache= empty; before, it fills it."""
+    model, tokens = bridge("llama"), ids(1, 6)
+    cache = DynamicCache(config=reference("llama").config)
+    name = "cache" if RENAMED else "past_key_values"
+    model(tokens, **{name: cache}, use_cache=True)
+    assert cache.get_seq_length() == (0 if RENAMED else 6)
+
+
+def test_a_pass_that_misses_the_cache_is_refused_and_changes_nothing(monkeypatch):
+    """Without the alias, transformers >= 5.24 would ignore the cache: refused, never silent."""
+    monkeypatch.setattr(_cache_pass, "_aliased", lambda model: contextlib.nullcontext())
+    tokens = ids(1, 7)
+    cache = HFKeyValueCache(naming="bridge")
+    if not RENAMED:  # nothing to bridge before the rename
+        torch.testing.assert_close(chunked("llama", tokens, cache, [4]), bridge("llama")(tokens))
+        return
+    with pytest.raises(
+        CacheConfigError, match=r"did not pass the cache to the attention of layers \[0, 1\]"
+    ):
+        chunked("llama", tokens, cache, [])
+    assert cache.get_seq_length() == 0
+
+
+def test_a_frozen_prefix_is_bitwise_unchanged_and_gives_the_full_run():
+    model, tokens = bridge("llama"), ids(1, 9)
+    cache = HFKeyValueCache(naming="bridge")
+    chunked("llama", tokens[:, :6], cache, [])
+    cache.freeze()
+    before = [t.clone() for layer in cache.layers for t in (layer.keys, layer.values)]
+    with cache_pass(model, cache) as argument:
+        logits = model(tokens[:, 6:], **argument)
+    torch.testing.assert_close(logits, model(tokens)[:, 6:], **TOL)
+    after = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+def test_a_failing_pass_leaves_cache_and_bridge_as_they_were():
+    model, tokens = bridge("gpt2"), ids(1, 5)
+    cache = HFKeyValueCache(naming="bridge")
+    chunked("gpt2", tokens[:, :3], cache, [])
+    with pytest.raises(RuntimeError, match="boom"), cache_pass(model, cache) as argument:
+        model(tokens[:, 3:], **argument)
+        raise RuntimeError("boom")
+    assert cache.get_seq_length() == 3 and pre_hooks("gpt2") == 0
+
+
+def test_caches_of_another_model_are_refused():
+    too_deep = HFKeyValueCache(naming="bridge")
+    for layer in range(3):
+        too_deep.update(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8), layer)
+    with pytest.raises(CacheConfigError, match="holds 3 layers but the bridge's model has 2"):
+        with cache_pass(bridge("llama"), too_deep):
+            pass
+    with pytest.raises(CacheConfigError, match="frozen and holds 0 of the model's 2 layers"):
+        with cache_pass(bridge("llama"), HFKeyValueCache(naming="bridge", frozen=True)):
+            pass
+
+
+# -- hook names ----------------------------------------------------------------------------
+
+
+def test_bridge_naming_of_the_cache_hook_points():
+    cache = HFKeyValueCache(naming="bridge")
+    assert cache.hook_point("blocks.1.kv_cache.hook_v_full").name == "blocks.1.kv_cache.hook_v_full"
+    assert cache.fork().layers[1].hook_k_new.name == "blocks.1.kv_cache.hook_k_new"
+    with pytest.raises(HookError, match=r"expected blocks\.\{layer\}\.kv_cache"):
+        cache.hook_point("model.layers.0.kv_cache.hook_k_new")
+    with pytest.raises(ValueError, match=r"naming must be one of \('hf', 'bridge'\)"):
+        HFKeyValueCache(naming="blocks")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cache_hooks_see_the_bridges_keys_head_major(name):
+    """`hook_k_new` holds the keys the bridge's attention uses: `hook_rot_k` (rotary) or `hook_k`."""
+    model, tokens = bridge(name), ids(1, 6)
+    key_hook = "blocks.1.attn.hook_rot_k" if name == "llama" else "blocks.1.attn.hook_k"
+    _, theirs = model.run_with_cache(tokens, names_filter=[key_hook])
+    _, captured = run_with_cache_capture(
+        model,
+        tokens,
+        cache=HFKeyValueCache(naming="bridge"),
+        names=["blocks.1.kv_cache.hook_k_new"],
+    )
+    torch.testing.assert_close(
+        captured["blocks.1.kv_cache.hook_k_new"].transpose(1, 2), theirs[key_hook], **TOL
+    )
+
+
+def test_one_hook_list_mixes_bridge_and_cache_names_and_write_time_edits_equal_the_bridges():
+    """Zeroing position 2's new values at layer 0 equals the bridge's own hook_v edit."""
+    model, tokens = bridge("llama"), ids(1, 7)
+
+    def zero_cache(values, hook):
+        values[:, :, 2] = 0
+
+    def zero_bridge(values, hook):
+        values[:, 2] = 0
+
+    seen = {}
+
+    def keep(tensor, hook):
+        seen[hook.name] = tensor.shape
+
+    cache = HFKeyValueCache(naming="bridge")
+    ours = run_with_hooks(
+        model,
+        tokens,
+        cache=cache,
+        fwd_hooks=[("blocks.0.kv_cache.hook_v_new", zero_cache), ("blocks.1.hook_resid_pre", keep)],
+    )
+    theirs = model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.attn.hook_v", zero_bridge)])
+    torch.testing.assert_close(ours, theirs, **TOL)
+    assert (ours - model(tokens)).abs().max() > 1e-4
+    assert cache.layers[0].values[:, :, 2].abs().sum() == 0
+    assert list(seen.values()) == [torch.Size([1, 7, 32])]  # hook.name: TL's canonical name
+    assert not model.hook_dict["blocks.1.hook_resid_pre"].has_hooks()
+
+
+def test_hook_names_are_checked_before_anything_is_attached():
+    model, cache = bridge("llama"), HFKeyValueCache(naming="bridge")
+    with pytest.raises(
+        HookError, match=r"unknown hook name 'blocks\.0\.kv_cache\.hook_k_nwe'.*did you mean"
+    ):
+        run_with_hooks(
+            model,
+            ids(1, 3),
+            cache=cache,
+            fwd_hooks=[
+                ("blocks.0.hook_resid_pre", lambda t, hook: None),
+                ("blocks.0.kv_cache.hook_k_nwe", print),
+            ],
+        )
+    assert not model.hook_dict["blocks.0.hook_resid_pre"].has_hooks()
+    with pytest.raises(HookError, match=r"need an HFKeyValueCache\(naming='bridge'\)"):
+        run_with_hooks(model, ids(1, 3), cache=HFKeyValueCache())
+    assert cache.get_seq_length() == 0
+
+
+# -- the experiments -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_prefill_scores_and_generation_equal_the_uncached_bridge_and_hf_generate(name):
+    model, tokens = bridge(name), ids(1, 9)
+    prefix = prefill(model, tokens[:, :6])
+    assert backend_of(model).family == "bridge" and prefix.cache.naming == "bridge"
+    full = model(tokens).log_softmax(-1)
+    torch.testing.assert_close(prefix.last_logits.log_softmax(-1), full[:, 5], **TOL)
+    scores = score_continuations(model, prefix, [tokens[0, 6:], tokens[0, 6:8]])
+    expected = full[0, 5:8].gather(-1, tokens[0, 6:9, None])[:, 0]
+    torch.testing.assert_close(scores.log_probs[0], expected, **TOL)
+    torch.testing.assert_close(scores.per_continuation()[1], expected[:2], **TOL)
+    generated = generate(model, prefix, 5)
+    hf = reference(name).generate(tokens[:, :6], max_new_tokens=5, do_sample=False)
+    assert torch.equal(generated.tokens, hf[:, 6:])
+
+
+def test_left_padded_prefix_rows_give_their_unpadded_numbers():
+    model, tokens = bridge("llama"), ids(2, 6)
+    mask = torch.ones_like(tokens)
+    mask[0, :2] = 0
+    prefix = prefill(model, tokens, attention_mask=mask)
+    alone = prefill(model, tokens[:1, 2:])
+    torch.testing.assert_close(prefix.last_logits[:1], alone.last_logits, **TOL)
+
+
+def test_ablations_equal_hf_with_an_edited_cache_and_the_bridges_own_edit():
+    """Read-time: HF continuing an edited DynamicCache. Write-time: the bridge zeroing hook_v."""
+    model, tokens = bridge("llama"), ids(1, 8)
+    prefix = prefill(model, tokens[:, :6])
+    zero = Ablation("zero", layers=0, heads=[1], positions=[2], target="values")
+    plain = score_continuations(model, prefix, [tokens[0, 6:]])
+
+    read = score_continuations(model, ablate_read(prefix, zero), [tokens[0, 6:]])
+    edited = DynamicCache(config=reference("llama").config)
+    run(reference("llama"), tokens[:, :6], edited)
+    edited.layers[0].values[:, 1, 2] = 0
+    continued = run(reference("llama"), tokens[:, 6:], edited).log_softmax(-1)
+    torch.testing.assert_close(read.log_probs[0, 1], continued[0, 0, tokens[0, 7]], **TOL)
+
+    def zero_bridge(values, hook):
+        values[:, 2, 1] = 0
+
+    write = score_continuations(model, ablate_write(model, prefix, zero), [tokens[0, 6:]])
+    theirs = model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.attn.hook_v", zero_bridge)])
+    expected = theirs.log_softmax(-1)[0, 5:7].gather(-1, tokens[0, 6:8, None])[:, 0]
+    torch.testing.assert_close(write.log_probs[0], expected, **TOL)
+    differences = [
+        (a.log_probs - b.log_probs).abs().max() for a, b in [(read, plain), (write, read)]
+    ]
+    assert min(differences) > 1e-4, differences
