@@ -17,7 +17,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
 import safelens.backends.hf._shared_attention as shared_module
-from safelens import CacheConfigError
+from safelens import CacheConfigError, prefill, score_continuations
 from safelens.backends.hf._cache import HFKeyValueCache
 from safelens.backends.hf._shared_attention import shared_prefix
 
@@ -95,6 +95,21 @@ def test_equals_the_models_own_attention_and_the_uncached_forward(name, freeze, 
     if not freeze:
         assert rows.get_seq_length() == PREFIX + NEW
         torch.testing.assert_close(rows.layers[1].keys, own.layers[1].keys, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_score_continuations_reads_the_prefix_shared_and_equals_the_uncached_forward(
+    name, shared_reads
+):
+    lm, prompt = model(name), ids(1, PREFIX)[0]
+    continuations = [ids(1, NEW, seed=2)[0], ids(1, 2, seed=3)[0], ids(1, NEW, seed=4)[0]]
+    with torch.no_grad():
+        scores = score_continuations(lm, prefill(lm, prompt), continuations).per_continuation()
+        for row, got in zip(continuations, scores, strict=True):
+            logits = run(lm, torch.cat([prompt, row])[None])[0, PREFIX - 1 : -1]
+            expected = logits.log_softmax(-1).gather(-1, row[:, None])[:, 0]
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert len(shared_reads) == 2  # one batch, two layers
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -7,8 +7,9 @@ mask, and returns their per-token log-probabilities as
 [`ContinuationScores`][safelens.ContinuationScores].
 
 Each batch runs through the backend's `forward_continuations`, on a `HookedTransformer`
-under [`shared_prefix_attention`][safelens.shared_prefix_attention], so attention reads
-the prefix's keys and values once per layer rather than once per row. The stored prefix
+under [`shared_prefix_attention`][safelens.shared_prefix_attention] and on a HuggingFace
+model under [`shared_prefix`][safelens.shared_prefix], so attention reads the prefix's
+keys and values once per layer rather than once per row. The stored prefix
 is never written: it stays frozen and bitwise unchanged.
 
 Everything is checked before anything runs: token ids (dtype, `0 <= id < d_vocab`, at

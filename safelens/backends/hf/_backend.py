@@ -36,6 +36,7 @@ from ._cache import HFKeyValueCache
 from ._layer import HFCacheLayer
 from ._model import hf_cache_argument
 from ._run import attach_hooks, module_hooks, run, select_cache_hooks
+from ._shared_attention import shared_prefix
 
 __all__ = ["HF_CACHE", "HFBackend"]
 
@@ -224,9 +225,12 @@ class HFBackend(Backend):
     ) -> Any:
         """A batch of right-padded continuations of the frozen, broadcast prefix `cache`.
 
-        The one place continuations run on HuggingFace models (`score_continuations`).
+        The one place continuations run on HuggingFace models (`score_continuations`):
+        under [`shared_prefix`][safelens.shared_prefix], so attention reads the prefix
+        once per layer rather than once per row.
         """
-        return self._call(tokens, attention_mask, cache)
+        with shared_prefix(self.model):
+            return self._call(tokens, attention_mask, cache)
 
     def write_hook(self, layer: int, target: Literal["keys", "values"]) -> str:
         return HF_CACHE.layout.hook_name(layer, f"hook_{target[0]}_new")
