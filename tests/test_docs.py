@@ -118,3 +118,10 @@ def test_api_reference_renders_factory_made_sweeps(tmp_path: Path) -> None:
         assert re.search(rf"{name}\(\s*model: HookedTransformer,", text), name
     assert "Patch each head's values at all positions" in text
     assert "_sweep_function(" not in text
+
+
+def test_gallery_shows_every_example_script() -> None:
+    gallery = (ROOT / "docs" / "gallery.md").read_text()
+    scripts = sorted(p.name for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
+    missing = [name for name in scripts if f"`{name}`" not in gallery]
+    assert not missing, f"examples missing from docs/gallery.md: {missing}"
