@@ -1,0 +1,131 @@
+"""`import safelens` works with TransformerLens 3.9, with 4.x, and with transformers alone.
+
+What needs `HookedTransformer` (its adapter, shared-prefix attention, the patching
+sweeps) loads on first use and, where TransformerLens 4 removed it or TransformerLens is
+missing, fails on use with an `ImportError` saying what to install. The environment
+without TransformerLens is a subprocess in which importing it fails as if it were not
+installed; CI's second environment has TransformerLens 4.3 for real.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+import safelens
+
+ROOT = Path(__file__).resolve().parents[1]
+HOOKED_ONLY = {
+    name
+    for module, names in safelens._LAZY_MODULES.items()
+    if not module.startswith(".backends.hf.")
+    for name in names
+}
+INSTALL = "pip install 'transformer-lens>=3.9,<4'"
+
+WITHOUT_TRANSFORMER_LENS = r"""
+import importlib.metadata, json, sys
+
+
+class NotInstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "transformer_lens":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, NotInstalled())
+installed_version = importlib.metadata.version
+
+
+def version(name):
+    if name.replace("_", "-").lower() == "transformer-lens":
+        raise importlib.metadata.PackageNotFoundError(name)
+    return installed_version(name)
+
+
+importlib.metadata.version = version
+
+import torch
+import safelens
+from transformers import LlamaConfig, LlamaForCausalLM
+
+report = {"missing": {}, "loaded": []}
+for name in safelens.__all__:
+    try:
+        getattr(safelens, name)
+        report["loaded"].append(name)
+    except ImportError as error:
+        report["missing"][name] = str(error)
+model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32,
+    num_hidden_layers=2, num_attention_heads=2, vocab_size=20)).eval()
+with torch.no_grad():
+    prefix = safelens.prefill(model, torch.tensor([[1, 2, 3, 4]]))
+    scores = safelens.score_continuations(model, prefix, [[5, 6]])
+report["scores"] = list(scores.log_probs.shape)
+report["imported"] = sorted(m for m in sys.modules if m.partition(".")[0] == "transformer_lens")
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def without_transformer_lens() -> dict:
+    result = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TRANSFORMER_LENS],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    report: dict = json.loads(result.stdout.strip().splitlines()[-1])
+    return report
+
+
+def test_without_transformer_lens_the_hf_experiments_run(without_transformer_lens):
+    assert without_transformer_lens["imported"] == []
+    assert without_transformer_lens["scores"] == [1, 2]
+    loaded = set(without_transformer_lens["loaded"])
+    assert {"HFKeyValueCache", "prefill", "run_with_hooks", "KeyValueCache"} <= loaded
+
+
+def test_without_transformer_lens_hooked_names_say_what_to_install(without_transformer_lens):
+    missing = without_transformer_lens["missing"]
+    assert set(missing) == HOOKED_ONLY
+    for name, message in missing.items():
+        assert message.startswith(f"safelens.{name} needs TransformerLens' HookedTransformer")
+        assert "TransformerLens is not installed" in message and INSTALL in message
+
+
+def test_every_public_name_loads_or_names_what_to_install_here():
+    """TransformerLens 3.x: everything loads. 4.x: exactly the HookedTransformer parts fail."""
+    hooked = int(version("transformer-lens").split(".")[0]) < 4
+    failed = {}
+    for name in safelens.__all__:
+        try:
+            getattr(safelens, name)
+        except ImportError as error:
+            failed[name] = str(error)
+    assert set(failed) == (set() if hooked else HOOKED_ONLY)
+    for message in failed.values():
+        assert "which TransformerLens 4 removed" in message and INSTALL in message
+
+
+def test_all_lists_every_public_name():
+    """Every public name the package defines or loads lazily, and each once."""
+    helpers = {"TYPE_CHECKING", "Any", "PackageNotFoundError", "import_module", "version"}
+    public = {
+        name
+        for name, value in vars(safelens).items()
+        if not name.startswith("_") and not isinstance(value, ModuleType)
+    }
+    exported = set(safelens.__all__)
+    assert public - helpers <= exported and set(safelens._LAZY) <= exported
+    assert exported <= public | set(safelens._LAZY)
+    assert len(safelens.__all__) == len(exported)
