@@ -16,6 +16,11 @@ the same model and inputs, numbers checked to agree in the run:
 - Greedy generation: safelens `prefill` + `generate` against HF `generate` with its
   `DynamicCache`, and HF `generate` given an `HFKeyValueCache` against the same; the
   generated tokens must be identical.
+- The continuation and generation rows again through a `TransformerBridge` booted
+  offline over the same weights (the one-forward-each reference is then the bridge's
+  own forward; HF's best way and `generate` run on the plain HF model). The bridge
+  computes attention in its own components, not through transformers'
+  `AttentionInterface`, so `shared_prefix` does not apply there.
 
 Run: `python -m benchmarks.bench_hf [--quick]`.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -34,7 +40,7 @@ from transformers import DynamicCache
 from benchmarks._common import Row, best_time
 from safelens import HFKeyValueCache, generate, hf_cache_argument, prefill, score_continuations
 
-TARGET_NAIVE = "≥15× faster than one HF forward per prefix+continuation"
+TARGET_NAIVE = "≥15× faster than one forward per prefix+continuation"
 TARGET_BEST = (
     "≥1× (aim 1.5×) HF's own best way: DynamicCache prefill, batch_repeat_interleave, "
     "one batched forward"
@@ -42,6 +48,7 @@ TARGET_BEST = (
 TARGET_MEMORY = "prefix keys/values stored once: N× less than N DynamicCaches"
 TARGET_GENERATE = "≥0.95× HF generate with its DynamicCache, identical tokens"
 TOLERANCE = 1e-4
+BRIDGE = "TransformerBridge over HF Llama"
 VOCAB = 1000
 
 
@@ -115,10 +122,16 @@ def _safelens(model, prompt, continuations) -> torch.Tensor:
     return score_continuations(model, prefix, continuations).log_probs
 
 
+def _logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of an uncached forward (a bridge returns them, an HF model an output)."""
+    out = model(tokens)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
 def _naive(model, prompt, continuations) -> torch.Tensor:
     start = len(prompt) - 1
     rows = [
-        _gathered(model(torch.cat([prompt, row])[None]).logits[0, start:-1], row)
+        _gathered(_logits(model, torch.cat([prompt, row])[None])[0, start:-1], row)
         for row in continuations
     ]
     return torch.stack(rows)
@@ -139,19 +152,20 @@ def _difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
 
-def continuation_rows(model, sizes: Sizes, label: str = "HF Llama") -> list[Row]:
-    """safelens' continuations against one HF forward each and against HF's best way."""
+def continuation_rows(model, hf_model, sizes: Sizes, label: str) -> list[Row]:
+    """safelens' continuations on `model` against one forward of `model` each, and
+    against HF's best way on `hf_model` (the same weights)."""
     prompt, continuations = _inputs(sizes)
     ours = _safelens(model, prompt, continuations)
     naive = _naive(model, prompt, continuations)
-    best = _hf_best(model, prompt, continuations)
+    best = _hf_best(hf_model, prompt, continuations)
     t_ours = _time(lambda: _safelens(model, prompt, continuations), sizes)
     t_naive = _time(lambda: _naive(model, prompt, continuations), sizes, warmup=0)
-    t_best = _time(lambda: _hf_best(model, prompt, continuations), sizes)
-    job = f"{label}: {sizes.rows} continuations × {sizes.new} tokens after a {sizes.prefix}-token prefix"
+    t_best = _time(lambda: _hf_best(hf_model, prompt, continuations), sizes)
+    job = f"{label}: {sizes.rows} continuations × {sizes.new} tokens after {sizes.prefix}"
     return [
         Row(
-            f"{job}: vs one HF forward each",
+            f"{job}: vs one forward each",
             t_ours,
             t_naive,
             "s",
@@ -235,49 +249,90 @@ def _hf_generate(model, prompt: torch.Tensor, new: int, cache: object = None) ->
     return out[0, len(prompt) :]
 
 
-def generation_rows(model, sizes: Sizes) -> list[Row]:
-    """Greedy generation: safelens' and HF's with HFKeyValueCache, against HF's own."""
-    generator = torch.Generator().manual_seed(1)
-    prompt = torch.randint(1, VOCAB, (sizes.prompt,), generator=generator)
-    new = sizes.generated
-    theirs = _hf_generate(model, prompt, new)
+def _prompt(sizes: Sizes) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (sizes.prompt,), generator=torch.Generator().manual_seed(1))
+
+
+def generation_row(model, hf_model, sizes: Sizes, label: str) -> Row:
+    """Greedy generation: safelens' on `model` against HF `generate` on `hf_model`."""
+    prompt, new = _prompt(sizes), sizes.generated
+    theirs = _hf_generate(hf_model, prompt, new)
     ours = _safelens_generate(model, prompt, new)
-    through = _hf_generate(model, prompt, new, HFKeyValueCache(model.config))
-    t_theirs = _time(lambda: _hf_generate(model, prompt, new), sizes)
+    t_theirs = _time(lambda: _hf_generate(hf_model, prompt, new), sizes)
     t_ours = _time(lambda: _safelens_generate(model, prompt, new), sizes)
-    t_through = _time(
-        lambda: _hf_generate(model, prompt, new, HFKeyValueCache(model.config)), sizes
+    return Row(
+        f"{label}: greedy generation, {sizes.prompt}-token prompt + {new} new tokens: "
+        "safelens generate vs HF generate",
+        t_ours,
+        t_theirs,
+        "s",
+        torch.equal(ours, theirs),
+        TARGET_GENERATE,
     )
-    job = f"HF Llama: greedy generation, {sizes.prompt}-token prompt + {new} new tokens"
-    return [
-        Row(
-            f"{job}: safelens generate vs HF generate",
-            t_ours,
-            t_theirs,
-            "s",
-            torch.equal(ours, theirs),
-            TARGET_GENERATE,
-        ),
-        Row(
-            f"{job}: HF generate with HFKeyValueCache vs with DynamicCache",
-            t_through,
-            t_theirs,
-            "s",
-            torch.equal(through, theirs),
-            TARGET_GENERATE,
-        ),
-    ]
+
+
+def hf_generate_row(model, sizes: Sizes) -> Row:
+    """HF `generate` given an `HFKeyValueCache`, against the same with its DynamicCache."""
+    prompt, new = _prompt(sizes), sizes.generated
+    theirs = _hf_generate(model, prompt, new)
+    ours = _hf_generate(model, prompt, new, HFKeyValueCache(model.config))
+    t_theirs = _time(lambda: _hf_generate(model, prompt, new), sizes)
+    t_ours = _time(lambda: _hf_generate(model, prompt, new, HFKeyValueCache(model.config)), sizes)
+    return Row(
+        f"HF Llama: greedy generation, {sizes.prompt}-token prompt + {new} new tokens: "
+        "HF generate with HFKeyValueCache vs with DynamicCache",
+        t_ours,
+        t_theirs,
+        "s",
+        torch.equal(ours, theirs),
+        TARGET_GENERATE,
+    )
+
+
+# -- TransformerBridge -----------------------------------------------------------------
+
+
+def bridge_model(sizes: Sizes) -> torch.nn.Module:
+    """A TransformerBridge over `llama_model(sizes)`'s weights, booted offline.
+
+    Booting needs a tokenizer folder: a word-level one (token `i` is `"t{i}"`) is saved
+    to a temporary folder. Booting replaces the HF model's attention in place, so the
+    bridge gets an HF model of its own.
+    """
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformer_lens.model_bridge import TransformerBridge
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t1")),
+        bos_token="t0",
+        unk_token="t1",
+    )
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save_pretrained(folder)
+        bridge = TransformerBridge.boot_transformers(
+            folder, hf_model=llama_model(sizes), device="cpu"
+        )
+    bridge.eval()
+    return bridge
 
 
 def run(quick: bool = False) -> list[Row]:
     """The benchmark rows (quick: tiny sizes, one repeat)."""
     sizes = QUICK if quick else FULL
     model = llama_model(sizes)
+    bridge = bridge_model(sizes)
     with torch.no_grad():
-        rows = continuation_rows(model, sizes)
+        rows = continuation_rows(model, model, sizes, "HF Llama")
         rows.append(memory_row(model, sizes))
-        rows.extend(generation_rows(model, sizes))
-    return rows
+        rows.append(generation_row(model, model, sizes, "HF Llama"))
+        rows.append(hf_generate_row(model, sizes))
+        bridged = continuation_rows(bridge, model, sizes, BRIDGE)
+        bridged.append(generation_row(bridge, model, sizes, BRIDGE))
+    for row in bridged:
+        row.note = f"{row.note}; the bridge's attention is its own: no shared-prefix read"
+    return rows + bridged
 
 
 def main() -> None:
