@@ -6,6 +6,9 @@ with its default cache, on tiny random-weight models built from config classes.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -109,33 +112,79 @@ GENERATE = {
 }
 
 
-@pytest.mark.parametrize("mode", list(GENERATE))
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_generate_gives_hf_tokens(name, mode):
-    lm, prompt = model(name), ids(1, 5)
-    kwargs = dict(max_new_tokens=6, **GENERATE[mode])
-    torch.manual_seed(7)
-    reference = lm.generate(prompt, **kwargs)
-    torch.manual_seed(7)
-    cache = HFKeyValueCache()
-    ours = lm.generate(prompt, **kwargs, **{hf_cache_argument(lm): cache})
-    assert torch.equal(ours, reference)
-    assert cache.get_seq_length() == ours.shape[1] - 1
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# bfloat16 repeats every float32 case; the fast pre-commit run keeps float32 only.
+DTYPE_CASES = ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)]
 
 
-def test_assisted_generation_crops_in_place_and_matches():
-    lm, prompt = model("llama"), ids(1, 5)
+@pytest.mark.parametrize("dtype", DTYPE_CASES)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_generate_gives_hf_tokens_on_a_left_padded_batch(name, dtype):
+    """Greedy, seeded sampling and beam search, as `generate` with HF's default cache."""
+    lm, prompt = model(name, DTYPES[dtype]), ids(2, 5)
+    mask = torch.ones_like(prompt)
+    mask[0, :2] = 0
+    for mode, options in GENERATE.items():
+        kwargs = dict(max_new_tokens=4, attention_mask=mask, **options)
+        torch.manual_seed(7)
+        reference = lm.generate(prompt, **kwargs)
+        torch.manual_seed(7)
+        cache = HFKeyValueCache()
+        ours = lm.generate(prompt, **kwargs, **{hf_cache_argument(lm): cache})
+        assert torch.equal(ours, reference), mode
+        assert cache.get_seq_length() == ours.shape[1] - 1
+        assert cache.batch_size == 2 * options.get("num_beams", 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPE_CASES)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_assisted_generation_crops_in_place_and_matches(name, dtype):
+    lm, prompt = model(name, DTYPES[dtype]), ids(1, 5)
+    assistant = model("qwen2" if name == "llama" else "llama", DTYPES[dtype])
     reference = lm.generate(prompt, max_new_tokens=6, do_sample=False)
     cache = HFKeyValueCache()
     assisted = lm.generate(
         prompt,
         max_new_tokens=6,
         do_sample=False,
-        assistant_model=model("qwen2"),
+        assistant_model=assistant,
         **{hf_cache_argument(lm): cache},
     )
     assert torch.equal(assisted, reference)
     assert cache.get_seq_length() == reference.shape[1] - 1
+
+
+def test_generate_on_a_frozen_cache_stores_nothing_and_assisted_decoding_is_refused():
+    """Greedy `generate` recomputes what a frozen cache cannot keep; `crop` would change it."""
+    lm, prompt = model("llama"), ids(1, 8)
+    prefix = prefilled("llama", prompt[:, :6])
+    prefix.freeze()
+    before = state(prefix)
+    arg = hf_cache_argument(lm)
+    reference = lm.generate(prompt, max_new_tokens=4, do_sample=False)
+    assert torch.equal(
+        lm.generate(prompt, max_new_tokens=4, do_sample=False, **{arg: prefix}), reference
+    )
+    with pytest.raises(FrozenCacheError, match=r"crop\(-1\) changes the cache in place.*fork"):
+        lm.generate(
+            prompt,
+            max_new_tokens=4,
+            do_sample=False,
+            assistant_model=model("qwen2"),
+            **{arg: prefix},
+        )
+    assert_state(prefix, before)
+
+
+def test_beam_search_from_an_expanded_prefix():
+    lm, prompt = model("gemma2"), ids(1, 8)
+    prefix = prefilled("gemma2", prompt[:, :6])
+    prefix.freeze()
+    before = state(prefix)
+    kwargs = dict(max_new_tokens=4, do_sample=False, num_beams=3)
+    ours = lm.generate(prompt, **kwargs, **{hf_cache_argument(lm): prefix.expand(3)})
+    assert torch.equal(ours, lm.generate(prompt, **kwargs))
+    assert_state(prefix, before)
 
 
 def test_generate_from_a_fork_of_a_frozen_prefix():
@@ -422,3 +471,184 @@ def test_cache_argument_name():
     assert hf_cache_argument(Old()) == "past_key_values"
     with pytest.raises(CacheConfigError, match="takes neither cache= nor past_key_values="):
         hf_cache_argument(Neither())
+
+
+# -- guarantees -----------------------------------------------------------------------
+
+POINTS = ("hook_k_new", "hook_v_new", "hook_k_full", "hook_v_full")
+
+
+def hook_names(cache: HFKeyValueCache, point: str) -> list[str]:
+    return [f"model.layers.{layer}.kv_cache.{point}" for layer in range(len(cache.layers))]
+
+
+def edit_in_place(tensor, hook):
+    tensor.mul_(-2).add_(1)
+
+
+def fail(tensor, hook):
+    raise RuntimeError("hook failed")
+
+
+def apply(op: str, branch: HFKeyValueCache, branches: list[HFKeyValueCache], point: str) -> None:
+    """Do `op` to `branch`; an in-place method on a frozen branch must refuse (or change nothing)."""
+    lm, rows, length = model("llama"), max(branch.batch_size, 1), branch.get_seq_length()
+    if op == "forward":
+        run(lm, ids(rows, 2, seed=length), branch)
+    elif op in ("edit", "raise"):
+        with pytest.raises(RuntimeError, match="hook failed") if op == "raise" else nullcontext():
+            with branch.hooks(
+                [(hook_names(branch, point), fail if op == "raise" else edit_in_place)]
+            ):
+                run(lm, ids(rows, 2, seed=length), branch)
+    elif op in ("fork", "clone") or (op == "expand" and branch.batch_size == 1):
+        branches.append(branch.expand(2) if op == "expand" else getattr(branch, op)())
+    elif op in ("select", "cropped") and length:
+        branches.append(branch.select([-1]) if op == "select" else branch.cropped(-1))
+    elif op in (
+        "crop",
+        "reorder_cache",
+        "batch_repeat_interleave",
+        "batch_select_indices",
+        "reset",
+    ):
+        argument = {
+            "crop": -1,
+            "reorder_cache": torch.arange(rows).flip(0),
+            "batch_repeat_interleave": 2,
+            "batch_select_indices": torch.tensor([0]),
+        }
+        try:
+            getattr(branch, op)(*([argument[op]] if op in argument else []))
+        except FrozenCacheError:
+            assert branch.frozen
+
+
+OPS = [
+    "forward", "edit", "raise", "fork", "clone", "expand", "select", "cropped",
+    "crop", "reorder_cache", "batch_repeat_interleave", "batch_select_indices", "reset",
+]  # fmt: skip
+
+
+@given(
+    steps=st.lists(
+        st.tuples(st.sampled_from(OPS), st.integers(0, 20), st.sampled_from(POINTS)), max_size=8
+    )
+)
+@settings(max_examples=25, deadline=None)
+def test_a_frozen_prefix_is_bitwise_unchanged_by_anything_done_to_it_or_its_branches(steps):
+    prefix = prefilled("llama", ids(1, 5))
+    prefix.freeze()
+    before, storages = state(prefix), prefix.storages()
+    branches = [prefix]
+    for op, index, point in steps:
+        apply(op, branches[index % len(branches)], branches, point)
+        assert_state(prefix, before)
+    assert prefix.frozen and prefix.storages() == storages
+    assert not any(p.fwd_hooks for b in branches for p in b.hook_points().values())
+
+
+def test_frozen_cache_refuses_every_in_place_method_that_would_change_it():
+    cache = prefilled("llama", ids(2, 5))
+    cache.freeze()
+    before = state(cache)
+    for call, match in (
+        (lambda: cache.crop(-1), r"crop\(-1\)"),
+        (lambda: cache.crop(2), r"crop\(2\)"),
+        (lambda: cache.reorder_cache(torch.tensor([1, 0])), r"reorder_cache\(beam_idx\)"),
+        (lambda: cache.batch_repeat_interleave(2), r"batch_repeat_interleave\(2\)"),
+        (lambda: cache.batch_select_indices(torch.tensor([0])), r"batch_select_indices"),
+        (lambda: cache.reset(), r"reset\(\)"),
+    ):
+        with pytest.raises(FrozenCacheError, match=match + ".* changes the cache in place"):
+            call()
+    cache.crop(0), cache.crop(5), cache.crop(9)  # change nothing, so allowed
+    assert_state(cache, before)
+
+
+def test_hostile_keys_are_refused_with_the_reason_and_change_nothing():
+    cache = prefilled("llama", ids(1, 4))
+    before = state(cache)
+    with pytest.raises(
+        CacheShapeError,
+        match=r"layer 0: key_states of shape \(1, 3, 2, 8\) do not fit.*this looks like "
+        r"position-major \[batch, pos, heads, d_head\] layout.*key_states.transpose\(1, 2\)",
+    ):
+        cache.update(torch.zeros(1, 3, 2, 8), torch.zeros(1, 2, 3, 8), 0)
+    for keys, match in (
+        (torch.zeros(1, 2, 8), r"must be a floating tensor .*got \(1, 2, 8\) torch.float32"),
+        (torch.zeros(1, 2, 1, 8, dtype=torch.long), r"floating tensor .*torch.int64"),
+        (torch.zeros(1, 2, 1, 8, dtype=torch.complex64), r"floating tensor .*complex64"),
+        (torch.zeros(1, 2, 1, 8, device="meta"), r"on meta cannot be moved to the cache's device"),
+    ):
+        with pytest.raises(CacheShapeError, match=match):
+            cache.update(keys, torch.zeros(1, 2, 1, 8), 0)
+        with pytest.raises(CacheShapeError, match=match.replace("key", "value")):
+            cache.update(torch.zeros(1, 2, 1, 8), keys, 1)
+    for layer_idx in (-1, True, 1.0, None):
+        with pytest.raises(TypeError, match=f"layer_idx must be an int >= 0, got {layer_idx}"):
+            cache.update(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8), layer_idx)
+    assert_state(cache, before)
+    keys, _ = cache.update(torch.ones(1, 2, 1, 8, dtype=torch.float64), torch.ones(1, 2, 1, 8), 0)
+    assert keys.dtype == cache.layers[0].keys.dtype == torch.float32  # converted, as SPEC §1
+    assert cache.layers[1].hook_k_full.layer() == 1
+
+
+def test_hostile_hook_results_are_refused_and_change_nothing():
+    lm, tokens = model("llama"), ids(1, 7)
+    cache = prefilled("llama", tokens[:, :5])
+    before = state(cache)
+    for result, match in (
+        (lambda k: k.double(), "torch.float64 on cpu; expected shape"),
+        (lambda k: k.to("meta"), "torch.float32 on meta; expected shape"),
+        (
+            lambda k: k[..., :4],
+            r"shape \(1, 2, \d, 4\).*expected shape \(1, 2, \d, 8\) \[batch, n_kv_heads",
+        ),
+        (lambda k: k.tolist(), "returned list; expected a tensor"),
+    ):
+        for point in POINTS:
+            with pytest.raises(HookError, match=match):
+                hook = lambda t, hook, result=result: result(t)  # noqa: E731
+                with cache.hooks([(f"model.layers.1.kv_cache.{point}", hook)]):
+                    run(lm, tokens[:, 5:], cache)
+            assert_state(cache, before)
+
+
+def test_layer_index_gaps_are_filled_with_empty_layers_as_dynamic_cache_does():
+    ours, theirs = HFKeyValueCache(), DynamicCache()
+    for cache in (ours, theirs):
+        cache.update(torch.ones(1, 2, 3, 8), torch.ones(1, 2, 3, 8), 2)
+    assert len(ours.layers) == len(theirs.layers) == 3
+    assert [ours.get_seq_length(i) for i in range(4)] == [
+        theirs.get_seq_length(i) for i in range(4)
+    ]
+    assert ours.batch_size == 1 and ours.layers[0].keys is None
+    assert ours.get_mask_sizes(2, 0) == theirs.get_mask_sizes(2, 0)
+    assert ours.get_mask_sizes(2, 2) == theirs.get_mask_sizes(2, 2)
+    with pytest.raises(CacheShapeError, match=r"layers \[0, 1\] hold nothing yet"):
+        ours.save("unused.safetensors")
+
+
+def test_threads_running_forks_of_one_frozen_prefix_give_the_serial_results():
+    lm = model("llama")
+    prefix = prefilled("llama", ids(1, 6))
+    prefix.freeze()
+    before = state(prefix)
+    arg = hf_cache_argument(lm)
+    start = threading.Barrier(2)
+
+    def branch(seed: int, wait: bool = False) -> list[torch.Tensor]:
+        tokens, fork = ids(1, 6, seed=seed), prefix.fork()
+        if wait:
+            start.wait()
+        steps = [run(lm, tokens[:, i : i + 2], fork) for i in range(0, 6, 2)]
+        prompt = torch.cat([torch.zeros(1, 6, dtype=torch.long), tokens], 1)
+        return [*steps, lm.generate(prompt, max_new_tokens=3, do_sample=False, **{arg: fork})]
+
+    serial = [branch(seed) for seed in (1, 2, 3, 4)]
+    with ThreadPoolExecutor(2) as pool:
+        threaded = list(pool.map(lambda seed: branch(seed, wait=seed < 3), (1, 2, 3, 4)))
+    for ours, reference in zip(threaded, serial, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(ours, reference, strict=True))
+    assert_state(prefix, before)

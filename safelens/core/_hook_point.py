@@ -47,10 +47,18 @@ class CacheHookPoint:
     **Arguments:**
 
     - `name`: the full hook name, e.g. `"blocks.0.kv_cache.hook_k_new"`.
+    - `layout`: the named shape of the tensors it sees, for error messages.
+
+    ```python
+    >>> CacheHookPoint("model.layers.3.kv_cache.hook_k_new", "[batch, n_kv_heads, pos, d_head]").layer()
+    3
+
+    ```
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, layout: str = "[batch, pos, n_kv_heads, d_head]") -> None:
         self.name = name
+        self.layout = layout
         self.fwd_hooks: list[_Handle] = []
         self.ctx: dict[Any, Any] = {}
 
@@ -58,8 +66,8 @@ class CacheHookPoint:
         return f"CacheHookPoint(name={self.name!r}, {len(self.fwd_hooks)} fwd)"
 
     def layer(self) -> int:
-        """The layer index in a `blocks.{layer}.…` name."""
-        return int(self.name.split(".")[1])
+        """The layer index: the number before `.kv_cache.` (`blocks.{layer}.kv_cache.…`)."""
+        return int(self.name.split(".kv_cache.")[0].rsplit(".", 1)[-1])
 
     def add_hook(
         self,
@@ -152,7 +160,7 @@ class CacheHookPoint:
                 raise HookError(
                     f"hook {handle.fn!r} on {self.name!r} returned shape "
                     f"{tuple(result.shape)}, {result.dtype} on {result.device}; expected "
-                    f"shape {tuple(tensor.shape)} [batch, pos, n_kv_heads, d_head], "
+                    f"shape {tuple(tensor.shape)} {self.layout}, "
                     f"{tensor.dtype} on {tensor.device}. A hook must return a tensor "
                     "like the one it was given, or None"
                 )

@@ -93,7 +93,8 @@ class HFCacheLayer(CacheLayerMixin):
         self._keys = keys
         self._values = values
         for point in HOOK_POINTS:
-            setattr(self, point, CacheHookPoint(hf_hook_name(layer, point, naming)))
+            name = hf_hook_name(layer, point, naming)
+            setattr(self, point, CacheHookPoint(name, "[batch, n_kv_heads, pos, d_head]"))
 
     def __repr__(self) -> str:
         return f"HFCacheLayer(layer={self.layer}, length={self.get_seq_length()})"
@@ -202,7 +203,13 @@ class HFCacheLayer(CacheLayerMixin):
         if held is None:
             return new
         like = held.template
-        new = new.to(device=like.device, dtype=like.dtype)
+        try:
+            new = new.to(device=like.device, dtype=like.dtype)
+        except (RuntimeError, NotImplementedError) as error:
+            raise CacheShapeError(
+                f"{where}: {name} on {new.device} cannot be moved to the cache's device "
+                f"{like.device} ({error}); pass tensors on {like.device}"
+            ) from None
         batch, _, heads, d_head = like.shape
         if (new.shape[0], new.shape[1], new.shape[3]) == (batch, heads, d_head):
             return new
@@ -212,8 +219,8 @@ class HFCacheLayer(CacheLayerMixin):
         )
         if new.shape[2] == heads and new.shape[3] == d_head and new.shape[1] != heads:
             message += (
-                ". This looks like position-major [batch, pos, n_kv_heads, d_head] layout; "
-                f"pass {name}.transpose(1, 2)"
+                "; this looks like position-major [batch, pos, heads, d_head] layout (as "
+                f"HookedTransformer caches); pass {name}.transpose(1, 2)"
             )
         elif new.shape[0] != batch and batch == 1:
             message += f". To continue a batch-1 cache with {new.shape[0]} rows, use expand(n)"
