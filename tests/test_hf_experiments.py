@@ -431,3 +431,24 @@ def test_a_prefix_of_another_family_or_size_is_refused_before_anything_runs():
         run_with_hooks(lm, ids(1, 2), cache=KeyValueCache())
     assert_unchanged(foreign.cache, before)
     assert no_hooks(lm)
+
+
+def test_text_is_tokenized_left_padded_by_a_tokenizer_set_on_the_model():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": 0, **{f"w{i}": i for i in range(1, 10)}}
+    inner = Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
+    inner.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="<pad>")
+    lm = model("llama")
+    lm.tokenizer = tokenizer
+    try:
+        prefix = prefill(lm, ["w1 w2 w3", "w4"])
+    finally:
+        del lm.tokenizer
+    assert prefix.tokens.tolist() == [[1, 2, 3], [0, 0, 4]]
+    assert prefix.attention_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert tokenizer.padding_side == "right"  # the caller's tokenizer is left as it was
+    given = prefill(lm, prefix.tokens, attention_mask=prefix.attention_mask)
+    torch.testing.assert_close(prefix.last_logits, given.last_logits)

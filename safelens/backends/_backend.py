@@ -119,10 +119,6 @@ class CacheOps(ABC):
     given only the new tokens' mask by the model family)."""
 
     @abstractmethod
-    def owns(self, cache: Any) -> bool:
-        """Whether `cache` is of this class (an `isinstance` check)."""
-
-    @abstractmethod
     def shape(self, cache: Any, what: str) -> CacheShape:
         """The sizes of `cache`, read without changing it.
 

@@ -50,9 +50,6 @@ class HFCacheOps(CacheOps):
     cache_class_name = "HFKeyValueCache"
     keeps_mask = False
 
-    def owns(self, cache: Any) -> bool:
-        return isinstance(cache, HFKeyValueCache)
-
     def shape(self, cache: Any, what: str) -> CacheShape:
         if not cache.layers:
             raise CacheShapeError(
@@ -170,9 +167,8 @@ class HFBackend(Backend):
         return getattr(self.model, "tokenizer", None)
 
     def to_tokens(self, text: str | list[str]) -> torch.Tensor:
-        tokenizer = self.tokenizer
-        tokenizer.padding_side = "left"
-        tokens: torch.Tensor = tokenizer(text, return_tensors="pt", padding=True)["input_ids"]
+        encoded = self.tokenizer(text, return_tensors="pt", padding=True, padding_side="left")
+        tokens: torch.Tensor = encoded["input_ids"]
         return tokens
 
     def default_mask(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -49,9 +49,6 @@ class KeyValueCacheOps(CacheOps):
     cache_class_name = "KeyValueCache"
     keeps_mask = True
 
-    def owns(self, cache: Any) -> bool:
-        return isinstance(cache, KeyValueCache)
-
     def shape(self, cache: Any, what: str) -> CacheShape:
         entries = cache.entries
         if not entries:
