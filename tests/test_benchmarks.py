@@ -129,3 +129,11 @@ def test_main_reports_a_benchmark_that_raises(
     monkeypatch.setattr(cli, "discover", lambda: ["crash"])
     assert cli.main(["--out", str(tmp_path)]) == 1
     assert "`crash`: RuntimeError: model exploded" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_attribution_benchmark_runs_in_quick_mode() -> None:
+    from benchmarks import bench_attribution
+
+    rows = bench_attribution.run(quick=True)
+    assert [row.x for row in rows] == [16] and all(row.agree for row in rows)
