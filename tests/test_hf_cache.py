@@ -274,20 +274,28 @@ def test_select_cropped_clone_return_new_caches():
         cache.select(0.5)
 
 
-def test_crop_is_in_place_with_hf_meaning():
-    cache = prefilled("llama", ids(1, 6))
+def test_crop_is_in_place_with_hf_meaning_and_refuses_keyvaluecache_meaning():
+    lm = model("llama")
+    cache, theirs = prefilled("llama", ids(1, 6)), DynamicCache(config=lm.config)
+    run(lm, ids(1, 6), theirs)
     branch = cache.fork()
-    cache.crop(0)
-    assert cache.get_seq_length() == 6
-    cache.crop(-2)
-    assert cache.get_seq_length() == 4
-    cache.crop(3)
+    for call in (0, -2, -1):
+        cache.crop(call), theirs.crop(call)
+        for mine, hf in zip(cache.layers, theirs.layers, strict=True):
+            assert torch.equal(mine.keys, hf.keys) and torch.equal(mine.values, hf.values)
     assert cache.get_seq_length() == 3 and branch.get_seq_length() == 6
+    with pytest.raises(ValueError, match=r"crop\(3\): .*in-place.*use cropped\(3\)"):
+        cache.crop(3)
+    with pytest.raises(ValueError, match="positive value"):
+        theirs.crop(3)  # transformers 5 refuses it too
+    assert cache.cropped(2).get_seq_length() == 2 and cache.get_seq_length() == 3
     cache.freeze()
     cache.crop(0)
-    cache.crop(5)
     with pytest.raises(FrozenCacheError, match=r"crop\(-1\) changes the cache in place"):
         cache.crop(-1)
+    assert cache.get_seq_length() == 3
+    empty = HFKeyValueCache(frozen=True)
+    empty.crop(-3)  # nothing to drop
 
 
 def test_in_place_batch_methods_match_dynamic_cache():
@@ -554,7 +562,7 @@ def test_frozen_cache_refuses_every_in_place_method_that_would_change_it():
     before = state(cache)
     for call, match in (
         (lambda: cache.crop(-1), r"crop\(-1\)"),
-        (lambda: cache.crop(2), r"crop\(2\)"),
+        (lambda: cache.crop(-7), r"crop\(-7\)"),
         (lambda: cache.reorder_cache(torch.tensor([1, 0])), r"reorder_cache\(beam_idx\)"),
         (lambda: cache.batch_repeat_interleave(2), r"batch_repeat_interleave\(2\)"),
         (lambda: cache.batch_select_indices(torch.tensor([0])), r"batch_select_indices"),
@@ -562,7 +570,7 @@ def test_frozen_cache_refuses_every_in_place_method_that_would_change_it():
     ):
         with pytest.raises(FrozenCacheError, match=match + ".* changes the cache in place"):
             call()
-    cache.crop(0), cache.crop(5), cache.crop(9)  # change nothing, so allowed
+    cache.crop(0)  # changes nothing, so allowed
     assert_state(cache, before)
 
 

@@ -303,27 +303,45 @@ class HFKeyValueCache(Cache):
                 "cache.fork() (or unfreeze() first)"
             )
 
-    def crop(self, max_length: int) -> None:
-        """In place (as HuggingFace's): `-k` drops the last `k` positions of each layer.
+    def crop(self, tokens_to_remove: int) -> None:
+        """In place, as HuggingFace's: `crop(-k)` drops the last `k` positions of every layer.
 
-        `0` changes nothing (transformers >= 5 calls it so); a positive `n` keeps the first
-        `n` (the meaning transformers < 5 gave it). Use `cropped` for a new cache instead.
+        `crop(0)` changes nothing (`generate` calls it so). This is not
+        [`KeyValueCache.crop`][safelens.KeyValueCache.crop], which returns a new cache:
+        that is [`cropped`][safelens.HFKeyValueCache.cropped] here. A positive argument
+        is refused, as transformers 5 refuses it, so `cache.crop(4)` written with
+        `KeyValueCache.crop`'s meaning fails instead of cutting this cache in place.
 
-        **Raises:** [`FrozenCacheError`][safelens.FrozenCacheError] when frozen and the
-        call would change something.
+        **Raises:** `ValueError` for a positive `tokens_to_remove` (naming `cropped`);
+        [`FrozenCacheError`][safelens.FrozenCacheError] when frozen and the call would
+        drop something.
+
+        ```python
+        >>> cache = HFKeyValueCache()
+        >>> _ = cache.update(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4), 0)
+        >>> cache.crop(-2)
+        >>> cache.get_seq_length(), cache.cropped(1).get_seq_length(), cache.get_seq_length()
+        (3, 1, 3)
+
+        ```
         """
-        if isinstance(max_length, bool) or not isinstance(max_length, int):
-            raise TypeError(f"max_length must be an int, got {type(max_length).__name__}")
-        keep: Callable[[int], int] = (
-            (lambda n: max(n + max_length, 0)) if max_length < 0 else (lambda n: min(max_length, n))
-        )
-        if max_length == 0 or all(
-            keep(x.get_seq_length()) == x.get_seq_length() for x in self.layers
-        ):
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise TypeError(
+                f"tokens_to_remove must be an int, got {type(tokens_to_remove).__name__}"
+            )
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop({tokens_to_remove}): HFKeyValueCache.crop is HuggingFace's in-place "
+                "crop, which takes minus the number of positions to drop, e.g. crop(-2); "
+                f"for a new cache of the first {tokens_to_remove} positions (what "
+                f"KeyValueCache.crop({tokens_to_remove}) returns) use "
+                f"cropped({tokens_to_remove})"
+            )
+        if not any(layer.get_seq_length() for layer in self.layers) or tokens_to_remove == 0:
             return
-        self._mutable(f"crop({max_length})")
+        self._mutable(f"crop({tokens_to_remove})")
         for layer in self.layers:
-            layer.replace(lambda seq: seq.crop(keep(seq.length)))
+            layer.replace(lambda seq: seq.crop(max(seq.length + tokens_to_remove, 0)))
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """In place: batch row `i` becomes row `beam_idx[i]` (beam search)."""
