@@ -14,9 +14,12 @@ between layers, an interrupt), run the pass in `with cache.guard():`.
 
 Caveats: `crop`, `reorder_cache`, `batch_repeat_interleave`, `batch_select_indices` and
 `reset` are HuggingFace's *in-place* methods (`generate` calls them): unlike
-`KeyValueCache.crop`, `crop` here mutates, and `cropped` is the non-mutating crop. A
-frozen cache stores nothing, so run `generate` and multi-step loops on `cache.fork()`.
-Nothing is evicted, also for sliding-window layers: the mask applies the window.
+`KeyValueCache.crop`, `crop(-k)` here mutates, `crop(n)` with `n > 0` is refused, and
+`cropped` is the non-mutating crop. A frozen cache stores nothing and refuses the
+in-place methods that would change it, so run `generate` and multi-step loops on
+`cache.fork()`. Nothing is evicted, also for sliding-window layers: the mask applies
+the window. Saving and loading (`safelens.backends.hf._persistence`) use head-major
+files that `KeyValueCache` refuses, and the other way round.
 """
 
 from __future__ import annotations
@@ -46,18 +49,31 @@ __all__ = ["HFKeyValueCache"]
 class HFKeyValueCache(Cache):
     """A `transformers.Cache` whose storage, freezing and hook points are safelens'.
 
+    Keys and values are head-major `[batch, n_kv_heads, pos_so_far, d_head]`, keys after
+    the rotary embedding, as HuggingFace attention hands them to `update`.
+
+    Two kinds of methods, named so that neither a HuggingFace nor a safelens user is
+    surprised: `fork`, `expand`, `select`, `cropped` and `clone` return a new cache and
+    never change this one (as `KeyValueCache`'s `fork`, `expand`, `select`, `crop` and
+    `clone`); `crop`, `reorder_cache`, `batch_repeat_interleave`, `batch_select_indices`
+    and `reset` are HuggingFace's in-place methods, which `generate` calls. `crop(-k)`
+    drops the last `k` positions in place; `crop(n)` with `n > 0`, `KeyValueCache.crop`'s
+    "keep the first `n`", is refused (as transformers 5 refuses it) with a pointer to
+    `cropped(n)`. A frozen cache refuses every in-place call that would change it with a
+    [`FrozenCacheError`][safelens.FrozenCacheError], so `generate` runs on `cache.fork()`.
+
     **Arguments:**
 
     - `config`: a HuggingFace config (or `None`). With one, the cache starts with one
       empty layer per `num_hidden_layers`, so every hook point exists before the first
       forward; without, layers are created on first use.
-
-    **Raises:** [`CacheConfigError`][safelens.CacheConfigError] for a config without a
-    layer count.
     - `frozen`: start frozen.
     - `naming`: the hook names' scheme: `"hf"` for `model.layers.{layer}.kv_cache.…`,
       `"bridge"` for `blocks.{layer}.kv_cache.…`, beside a TransformerBridge's own
       `blocks.{layer}.…` hook names.
+
+    **Raises:** [`CacheConfigError`][safelens.CacheConfigError] for a config without a
+    layer count.
 
     ```python
     >>> cache = HFKeyValueCache()
