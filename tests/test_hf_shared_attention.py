@@ -144,6 +144,19 @@ def test_one_new_token_without_a_mask_reads_every_position(shared_reads):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_a_four_dimensional_mask_changed_in_place_between_passes_is_read_afresh(shared_reads):
+    lm, _, rows, continuations, _ = case("llama")
+    mask = torch.ones(ROWS, 1, NEW, PREFIX + NEW, dtype=torch.bool).tril(PREFIX)
+    with torch.no_grad(), shared_prefix(lm):
+        first = run(lm, continuations, rows, attention_mask=mask)
+        mask[:, :, :, :3] = False
+        second = run(lm, continuations, rows, attention_mask=mask)
+    with torch.no_grad():
+        expected = run(lm, continuations, rows, attention_mask=mask)
+    assert len(shared_reads) == 4 and not torch.allclose(first, second)
+    torch.testing.assert_close(second, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_calls_it_does_not_handle_run_the_models_own_attention(shared_reads):
     lm, _, rows, continuations, mask = case("llama")
     with torch.no_grad():

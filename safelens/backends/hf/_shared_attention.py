@@ -79,7 +79,7 @@ class _Thread(threading.local):
     def __init__(self) -> None:
         self.inside: dict[int, int] = {}
         self.read: _Read | None = None
-        self.mask: tuple[torch.Tensor, torch.Tensor, bool] | None = None
+        self.mask: tuple[torch.Tensor, int, torch.Tensor, bool] | None = None
 
 
 _THREAD = _Thread()
@@ -239,18 +239,18 @@ def _shared_read(
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
     """`mask` as scores to add (-inf where False), and whether some query sees no key.
 
-    Kept for the next layers, which get the same mask object.
+    Kept for the next layers, which get the same mask object (unless changed in place).
     """
     kept = _THREAD.mask
-    if kept is not None and kept[0] is mask and kept[1].dtype == dtype:
-        return kept[1], kept[2]
+    if kept and kept[0] is mask and kept[1] == mask._version and kept[2].dtype == dtype:
+        return kept[2], kept[3]
     if mask.dtype == torch.bool:
         additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
         additive.masked_fill_(mask.logical_not(), float("-inf"))
         blind = not bool(mask.any(-1).all())
     else:
         additive, blind = mask.to(dtype), False
-    _THREAD.mask = (mask, additive, blind)
+    _THREAD.mask = (mask, mask._version, additive, blind)
     return additive, blind
 
 
