@@ -184,7 +184,9 @@ class Backend(ABC):
     hook points; on HuggingFace models, module names). The write-time seam
     ([`write_hook`][safelens.backends._backend.Backend.write_hook]) is the hook whose
     tensor is the new keys/values a pass is about to store, in `caches.layout`,
-    covering only the positions that pass computes.
+    covering only the positions that pass computes; the read-time seam
+    ([`read_hook`][safelens.backends._backend.Backend.read_hook]) is the cache's copy of
+    everything attention reads.
 
     **Fast paths** are capabilities a backend may offer; the experiments fall back to
     plain forward passes when a backend says it has none:
@@ -283,6 +285,14 @@ class Backend(ABC):
         `blocks.{l}.attn.hook_k` on `HookedTransformer`; the cache's own
         `model.layers.{l}.kv_cache.hook_k_new` on HuggingFace models.
         """
+
+    def read_hook(self, layer: int, target: Literal["keys", "values"]) -> str:
+        """The read-time seam of `layer`: the cache hook whose tensor attention reads.
+
+        `hook_k_full` / `hook_v_full` (all cached + new positions, a copy: an edit there
+        changes this pass only). A backend whose caches name hooks otherwise overrides it.
+        """
+        return self.caches.layout.hook_name(layer, f"hook_{target[0]}_full")
 
     @abstractmethod
     def pass_hooks(self, cache: Any, fwd_hooks: FwdHooks) -> AbstractContextManager[None]:
