@@ -165,7 +165,8 @@ def test_generate_on_a_frozen_cache_stores_nothing_and_assisted_decoding_is_refu
     assert torch.equal(
         lm.generate(prompt, max_new_tokens=4, do_sample=False, **{arg: prefix}), reference
     )
-    with pytest.raises(FrozenCacheError, match=r"crop\(-1\) changes the cache in place.*fork"):
+    # transformers >= 5.24 checks is_croppable first (False while frozen); 5.23 calls crop
+    with pytest.raises((FrozenCacheError, ValueError), match=r"crop\(-1\) changes|be cropped"):
         lm.generate(
             prompt,
             max_new_tokens=4,
@@ -316,17 +317,36 @@ def test_in_place_batch_methods_match_dynamic_cache():
 
 
 def test_hf_interface():
-    lm = model("gemma2")
-    cache = HFKeyValueCache(config=lm.config)
+    """Everything HF's forward, masks and `generate` read of a user cache, on 5.23 and 5.24+."""
+    lm = model("llama")
+    cache, theirs = HFKeyValueCache(config=lm.config), DynamicCache(config=lm.config)
     assert len(cache.layers) == 2 and cache.batch_size == -1 and cache.get_seq_length() == 0
-    run(lm, ids(1, 5), cache)
+    assert not cache.is_initialized and cache.get_mask_sizes(3, 1) == theirs.get_mask_sizes(3, 1)
+    run(lm, ids(2, 5), cache), run(lm, ids(2, 5), theirs)
     assert all(isinstance(layer, CacheLayerMixin) for layer in cache.layers)
-    assert cache.get_mask_sizes(3, 1) == (8, 0) and cache.get_seq_length(1) == 5
+    for query in (1, 3):
+        for layer in (0, 1, 2):
+            assert cache.get_mask_sizes(query, layer) == theirs.get_mask_sizes(query, layer)
+            assert cache.get_seq_length(layer) == theirs.get_seq_length(layer)
+            assert (
+                cache.get_query_offset(layer) == theirs.get_query_offset(layer) == 5 * (layer < 2)
+            )
+    assert cache.is_linear == theirs.is_linear == [False, False]
+    assert cache.is_dummy == theirs.is_dummy == [False, False]
+    assert cache.is_sliding == theirs.is_sliding == [False, False]
+    assert cache.is_initialized and cache.is_croppable and theirs.is_croppable
+    assert cache.offloading is False and len(cache) == 2
     assert cache.get_max_length() == -1 and cache.get_max_cache_shape() == -1
-    assert not cache.is_compileable and cache.is_sliding == [False, False]
-    assert cache.batch_size == 1 and cache.layers[0].keys.shape == (1, 2, 5, 8)
+    assert not cache.is_compileable and cache.batch_size == 2  # DynamicCache says -1
+    cache.activate_past_recording()  # assisted decoding calls it; nothing to record
+    if hasattr(cache, "get_recurrent_states_to_keep"):  # transformers >= 5.24
+        assert cache.get_recurrent_states_to_keep() == theirs.get_recurrent_states_to_keep() == 0
+    assert cache.layers[0].keys.shape == theirs.layers[0].keys.shape == (2, 2, 5, 8)
+    with cache.frozen():
+        assert not cache.is_croppable  # crop(-k) would be refused: generate must not rely on it
     cache.reset()
     assert cache.get_seq_length() == 0 and len(cache.layers) == 2
+    assert cache.is_sliding == [False, False]  # gemma-2 and mistral: the mask applies the window
     with pytest.raises(CacheConfigError, match="has no layer count"):
         HFKeyValueCache(config=SimpleNamespace(hidden_size=32))
 

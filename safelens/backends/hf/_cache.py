@@ -395,6 +395,11 @@ class HFKeyValueCache(Cache):
         return next((layer.batch for layer in self.layers if layer.batch is not None), -1)
 
     @property
+    def is_croppable(self) -> bool:
+        """Whether `crop(-k)` can drop positions: not while frozen (it would be refused)."""
+        return not self._frozen
+
+    @property
     def is_compileable(self) -> bool:
         """False: the storage grows, so `generate` never compiles around it."""
         return False
