@@ -177,26 +177,19 @@ def test_generate_on_a_frozen_cache_stores_nothing_and_assisted_decoding_is_refu
     assert_state(prefix, before)
 
 
-def test_beam_search_from_an_expanded_prefix():
-    lm, prompt = model("gemma2"), ids(1, 8)
-    prefix = prefilled("gemma2", prompt[:, :6])
+@pytest.mark.parametrize(
+    ("name", "mode", "branch"),
+    [("llama", "greedy", HFKeyValueCache.fork), ("gemma2", "beam", lambda p: p.expand(3))],
+)
+def test_generate_from_a_branch_of_a_frozen_prefix(name, mode, branch):
+    """A fork for greedy decoding; `expand(num_beams)` for beam search."""
+    lm, prompt = model(name), ids(1, 8)
+    prefix = prefilled(name, prompt[:, :6])
     prefix.freeze()
     before = state(prefix)
-    kwargs = dict(max_new_tokens=4, do_sample=False, num_beams=3)
-    ours = lm.generate(prompt, **kwargs, **{hf_cache_argument(lm): prefix.expand(3)})
+    kwargs = dict(max_new_tokens=4, **GENERATE[mode])
+    ours = lm.generate(prompt, **kwargs, **{hf_cache_argument(lm): branch(prefix)})
     assert torch.equal(ours, lm.generate(prompt, **kwargs))
-    assert_state(prefix, before)
-
-
-def test_generate_from_a_fork_of_a_frozen_prefix():
-    lm, prompt = model("llama"), ids(1, 8)
-    prefix = prefilled("llama", prompt[:, :6])
-    prefix.freeze()
-    before = state(prefix)
-    ours = lm.generate(
-        prompt, max_new_tokens=4, do_sample=False, **{hf_cache_argument(lm): prefix.fork()}
-    )
-    assert torch.equal(ours, lm.generate(prompt, max_new_tokens=4, do_sample=False))
     assert_state(prefix, before)
 
 
