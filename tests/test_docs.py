@@ -1,7 +1,13 @@
-"""Every ```python block of the docs pages and the README runs, page by page, in order."""
+"""Every ```python block of the docs pages and the README runs, page by page, in order.
+
+A `print(...)` line followed by `# ...` comment lines documents its output: those lines
+must be what the block prints, in order.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -32,6 +38,29 @@ def python_blocks(text: str) -> list[str]:
     return blocks
 
 
+def documented_output(block: str) -> list[str]:
+    """The `# ...` lines right after each one-line `print(...)` of `block`, unprefixed."""
+    expected, after_print = [], False
+    for line in block.splitlines():
+        if after_print and (line == "#" or line.startswith("# ")):
+            expected.append(line[2:])
+            continue
+        after_print = line.startswith("print(") and line.rstrip().endswith(")")
+    return expected
+
+
+def is_subsequence(expected: list[str], printed: list[str]) -> bool:
+    lines = iter(line.rstrip() for line in printed)
+    return all(any(want.rstrip() == line for line in lines) for want in expected)
+
+
+def test_documented_output_reads_comment_lines_after_prints() -> None:
+    block = "x = 1  # not output\nprint(x)\n# 1\n# two\ny = 2\n# not output\nprint(y)  # inline\n"
+    assert documented_output(block) == ["1", "two"]
+    assert is_subsequence(["1", "3"], ["1", "2", "3"])
+    assert not is_subsequence(["3", "1"], ["1", "2", "3"])
+
+
 def test_python_blocks_finds_fences_in_order() -> None:
     text = "x\n```python\na = 1\n```\n```text\nno\n```\n  ```python\n  b = a\n  ```\n"
     assert python_blocks(text) == ["a = 1", "b = a"]
@@ -43,14 +72,22 @@ def test_page_code_runs(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     namespace: dict[str, object] = {"__name__": "__docs__"}
     blocks = python_blocks(page.read_text())
     for index, block in enumerate(blocks):
+        stdout = io.StringIO()
         try:
             code = compile(block, f"{page.relative_to(ROOT)}[block {index}]", "exec")
-            exec(code, namespace)
+            with contextlib.redirect_stdout(stdout):
+                exec(code, namespace)
         except Exception as error:
             pytest.fail(
                 f"{page.relative_to(ROOT)}: python block {index} failed: "
                 f"{type(error).__name__}: {error}\n--- block {index} ---\n{block}"
             )
+        expected = documented_output(block)
+        printed = stdout.getvalue().splitlines()
+        assert is_subsequence(expected, printed), (
+            f"{page.relative_to(ROOT)}: python block {index} documents the output "
+            f"{expected} but printed {printed}"
+        )
     plt.close("all")
 
 
