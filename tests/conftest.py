@@ -3,11 +3,14 @@
 TransformerLens 4 removed `HookedTransformer` (and `HookedTransformerConfig`,
 `transformer_lens.components`, …). In an environment with TransformerLens 4, a test that
 needs them is skipped with the reason `HOOKED_TRANSFORMER_REMOVED`: a test marked
-`@pytest.mark.hooked_transformer`, a docstring example that builds a `HookedTransformer`,
-and a whole test file or safelens module (its doctests) whose import fails on one of
-those parts. Any other import error still fails the run.
+`@pytest.mark.hooked_transformer`, a docstring example whose code names
+`HookedTransformer`, a test run on a docs page or example script (a `Path` parameter)
+whose code does, a whole test file or safelens module (its doctests) whose import fails
+on one of those parts, and a test that fails by importing one. Any other error still
+fails the run.
 """
 
+import re
 import sys
 from collections.abc import Callable
 from importlib.metadata import version
@@ -37,6 +40,20 @@ def _needs_hooked_transformer(error: BaseException | None) -> bool:
     return False
 
 
+_PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+
+
+def _code_names_hooked_transformer(item: pytest.Item) -> bool:
+    """Whether the item's docstring example, or the code of a page or script it runs, does."""
+    examples = getattr(getattr(item, "dtest", None), "examples", ())
+    code = [example.source for example in examples]
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    for path in (value for value in params.values() if isinstance(value, Path)):
+        text = path.read_text()
+        code += _PYTHON_BLOCK.findall(text) if path.suffix == ".md" else [text]
+    return any("HookedTransformer" in block for block in code)
+
+
 def _skip_if_hooked_transformer_missing(collect: Callable[[], Any]) -> Callable[[], Any]:
     def collect_or_skip() -> Any:
         try:
@@ -59,12 +76,23 @@ class _WithoutHookedTransformer:
             collector.collect = _skip_if_hooked_transformer_missing(collector.collect)
         return collectors
 
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+        report = yield
+        if call.excinfo is not None and _needs_hooked_transformer(call.excinfo.value):
+            report.outcome = "skipped"
+            report.longrepr = (
+                str(item.path),
+                item.location[1],
+                f"Skipped: {HOOKED_TRANSFORMER_REMOVED}",
+            )
+        return report
+
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         skip = pytest.mark.skip(reason=HOOKED_TRANSFORMER_REMOVED)
         for item in items:
-            examples = getattr(getattr(item, "dtest", None), "examples", ())
-            if item.get_closest_marker("hooked_transformer") or any(
-                "HookedTransformer" in example.source for example in examples
+            if item.get_closest_marker("hooked_transformer") or _code_names_hooked_transformer(
+                item
             ):
                 item.add_marker(skip)
 

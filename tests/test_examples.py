@@ -38,6 +38,7 @@ def test_example_runs(script: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.hooked_transformer
 def test_induction_demo_finds_the_mechanism(tmp_path: Path) -> None:
     """The main job's summary reports a solved task, an unchanged prefix, exact replays."""
     out = tmp_path / "figures"

@@ -195,6 +195,7 @@ def hidden_run() -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.hooked_transformer  # some modules import it at module level
 def test_every_module_imports_with_only_core_dependencies(hidden_run: dict) -> None:
     assert hidden_run["failures"] == {}
     expected = {
