@@ -452,3 +452,18 @@ def test_text_is_tokenized_left_padded_by_a_tokenizer_set_on_the_model():
     assert tokenizer.padding_side == "right"  # the caller's tokenizer is left as it was
     given = prefill(lm, prefix.tokens, attention_mask=prefix.attention_mask)
     torch.testing.assert_close(prefix.last_logits, given.last_logits)
+
+
+def test_no_experiment_module_imports_a_model_library():
+    import subprocess
+    import sys
+
+    modules = ["_ablation", "_ablation_plan", "_capture", "_continuations", "_generation"]
+    modules += ["_metrics", "_prefix", "_run"]
+    code = "; ".join(
+        [f"import safelens.experiments.{name}" for name in modules]
+        + ["import sys", "print(sorted({'transformer_lens', 'transformers'} & set(sys.modules)))"]
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
