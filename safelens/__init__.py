@@ -42,6 +42,7 @@ if TYPE_CHECKING:
         get_act_patch_attn_head_by_pos_every,
         get_act_patch_block_every,
     )
+    from .patching._hf_sites import run_with_patching_cache
     from .patching._patterns import (
         get_act_patch_attn_head_pattern_all_pos,
         get_act_patch_attn_head_pattern_by_pos,
@@ -74,6 +75,7 @@ _LAZY_MODULES = {
     ".backends.hooked._shared_attention": ("shared_prefix_attention",),
     ".patching._attribution": ("AttributionResult", "attribution_patch"),
     ".patching._dataset": ("PatchingResult", "patch_dataset"),
+    ".patching._hf_sites": ("run_with_patching_cache",),
     ".patching._every": (
         "get_act_patch_attn_head_all_pos_every",
         "get_act_patch_attn_head_by_pos_every",
@@ -168,6 +170,7 @@ __all__ = [
     "get_act_patch_attn_head_by_pos_every",
     "get_act_patch_block_every",
     "logit_diff_metric",
+    "run_with_patching_cache",
     "patch_dataset",
     "PatchingResult",
     "attribution_patch",

@@ -21,10 +21,12 @@ import pytest
 import safelens
 
 ROOT = Path(__file__).resolve().parents[1]
+# The sweeps dispatch to TransformerBridge and HuggingFace models without TransformerLens.
+ANY_BACKEND = (".backends.hf.", ".patching._sweeps", ".patching._hf_sites")
 HOOKED_ONLY = {
     name
     for module, names in safelens._LAZY_MODULES.items()
-    if not module.startswith(".backends.hf.")
+    if not module.startswith(ANY_BACKEND)
     for name in names
 }
 INSTALL = "pip install 'transformer-lens>=3.9,<4'"

@@ -38,8 +38,8 @@ from transformer_lens.utilities import get_attention_mask
 
 from ..backends.hooked._shared_attention import shared_prefix_attention
 from ..core._cache import KeyValueCache
-from ..core._errors import PatchingError
 from ..core._thread_hooks import Hook, thread_hooks
+from ._metric import Metric, _Metric
 from ._plan import Plan
 
 __all__ = ["CorruptedRun", "Patcher", "sweep"]
@@ -51,7 +51,6 @@ Patcher = Callable[[torch.Tensor, list["Run"], list[int], int, int], None]
 # Runs patched at positions `p0 … p0 + _SPAN - 1` share one chunk that starts at `p0`:
 # fewer, larger forward passes, for a few positions recomputed per run.
 _SPAN = 4
-Metric = Callable[[Float[torch.Tensor, "rows pos d_vocab"]], torch.Tensor]
 
 
 def _attention_mask_of(
@@ -125,63 +124,6 @@ def _rows_per_run_limit(model: HookedTransformer, length: int, max_bytes: int) -
     width = 2 * cfg.d_vocab + 8 * cfg.d_model + 2 * (cfg.d_mlp or 0) + 3 * cfg.n_heads * length
     itemsize = torch.empty((), dtype=cfg.dtype).element_size()
     return max(1, max_bytes // (length * width * itemsize))
-
-
-class _Metric:
-    """A batched metric, or a per-run (TransformerLens-style scalar) one.
-
-    Which it is shows at the first call with several runs: a scalar for all of them
-    means per-run. Whatever it returns is checked against what was expected.
-    """
-
-    def __init__(self, fn: Metric, batch: int) -> None:
-        self.fn = fn
-        self.batch = batch
-        self.per_run: bool | None = None
-
-    def __call__(self, logits: torch.Tensor, runs: int) -> torch.Tensor:
-        if self.per_run:
-            return torch.stack(
-                [self._values(row, 1).reshape(()) for row in logits.split(self.batch)]
-            )
-        values = self._values(logits, runs, scalar_ok=self.per_run is None)
-        if runs > 1:
-            self.per_run = values.dim() == 0
-            if self.per_run:
-                return self(logits, runs)
-        return values.reshape(runs)
-
-    def _values(self, logits: torch.Tensor, runs: int, scalar_ok: bool = False) -> torch.Tensor:
-        """What the metric returns for `logits` of `runs` runs, as a checked tensor."""
-        value = self.fn(logits)
-        values = None
-        if isinstance(value, torch.Tensor | int | float) or hasattr(value, "__array__"):
-            try:
-                values = torch.as_tensor(value)
-            except (TypeError, ValueError, RuntimeError):
-                values = None
-        if (
-            values is None
-            or values.is_complex()
-            or not (values.numel() == runs or (scalar_ok and values.dim() == 0))
-        ):
-            got = f"shape {tuple(values.shape)}" if values is not None else _describe(value)
-            if values is not None and values.is_complex():
-                got += f" of {values.dtype}"
-            raise PatchingError(
-                f"patching_metric returned {got} for logits {tuple(logits.shape)} of {runs} "
-                f"patched run{'s' if runs > 1 else ''}; expected a real tensor [{runs}] (a "
-                "batched metric, one value per run) or a scalar per run (TransformerLens-"
-                "style: the logits [batch, pos, d_vocab] of one run to a scalar)"
-            )
-        return values
-
-
-def _describe(value: object) -> str:
-    if value is None:
-        return "None"
-    text = repr(value)
-    return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"
 
 
 def sweep(

@@ -25,14 +25,13 @@ import torch
 from transformer_lens import ActivationCache, HookedTransformer
 from transformer_lens.utilities import get_act_name
 
-from ..core._arguments import flag, positive_int
 from ..core._errors import PatchingError
 from ..core._tokens import check_tokens
 from ._grid import CorruptedRun, Metric, Patcher, Run, sweep
+from ._limits import DEFAULT_MAX_BYTES
+from ._limits import _check_limits as _check_limits
 
 __all__ = ["DEFAULT_MAX_BYTES"]
-
-DEFAULT_MAX_BYTES = 2**30
 
 
 class _Sweep:
@@ -153,28 +152,6 @@ class _Sweep:
             progress,
             single_position,
         )
-
-
-def _with_type(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
-def _check_limits(max_batch: Any, max_bytes: Any, progress: Any) -> None:
-    """A `PatchingError` unless the sweep's limits are positive ints and `progress` a bool."""
-    for value, name, optional, unit in (
-        (max_batch, "max_batch", True, " (patched runs per forward pass)"),
-        (max_bytes, "max_bytes", False, ", a memory budget in bytes (default 2**30, 1 GiB)"),
-    ):
-        positive_int(
-            value,
-            name,
-            optional=optional,
-            unit=unit,
-            index_like=True,
-            error=PatchingError,
-            shown=_with_type,
-        )
-    flag(progress, "progress", error=PatchingError, shown=repr)
 
 
 def _check_index_choice(index_axis_names: Any, index_df: Any) -> None:

@@ -35,25 +35,22 @@ that does is refused with a `PatchingError`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import pandas as pd
 import torch
 from jaxtyping import Int
-from transformer_lens import ActivationCache, HookedTransformer
-from transformer_lens.utilities import get_act_name
 
-from ._grid import Metric, Run
-from ._inputs import (
-    DEFAULT_MAX_BYTES,
-    _check_index_choice,
-    _check_limits,
-    _check_patched,
-    _grid,
-    _index_grid,
-    _Sweep,
-)
-from ._inputs import _check_index_df as _check_index_df  # re-exported
+from ._hf_sites import TL_NAMES, TL_NAMES_ON_HF
+from ._hf_sweeps import is_seam_model, seam_patch
+from ._limits import DEFAULT_MAX_BYTES, _check_limits
+from ._metric import Metric
+
+if TYPE_CHECKING:
+    from transformer_lens import ActivationCache, HookedTransformer
+
+    from ._grid import Run
+    from ._inputs import _Sweep
 
 __all__ = [
     "generic_activation_patch",
@@ -110,6 +107,9 @@ def _all_pos_patcher(sweep: _Sweep) -> Callable[..., None]:
 
 
 def _grid_runs(shape: tuple[int, ...], pos_axis: int | None) -> list[Run]:
+    from ._grid import Run
+    from ._inputs import _grid
+
     return [
         Run(index[0], index[pos_axis] if pos_axis is not None else 0, slot, index)
         for slot, index in enumerate(_grid(shape))
@@ -129,6 +129,8 @@ def _patch(
     max_bytes: int = DEFAULT_MAX_BYTES,
     progress: bool = True,
 ) -> torch.Tensor:
+    from ._inputs import _Sweep
+
     _check_limits(max_batch, max_bytes, progress)
     sweep = _Sweep(model, corrupted_tokens, clean_cache, activation_name)
     shape: tuple[int, ...] = (model.cfg.n_layers,)
@@ -197,6 +199,9 @@ def generic_activation_patch(
 
     ```
     """
+    from ._grid import Run
+    from ._inputs import _check_index_choice, _check_patched, _index_grid, _Sweep
+
     _check_limits(max_batch, max_bytes, progress)
     _check_index_choice(index_axis_names, index_df)
     sweep = _Sweep(model, corrupted_tokens, clean_cache, activation_name)
@@ -252,6 +257,19 @@ def _sweep_function(
         max_bytes: int = DEFAULT_MAX_BYTES,
         progress: bool = True,
     ) -> torch.Tensor:
+        if is_seam_model(model):
+            return seam_patch(
+                activation,
+                by_pos,
+                with_head,
+                model,
+                corrupted_tokens,
+                clean_cache,
+                patching_metric,
+                max_batch,
+                max_bytes,
+                progress,
+            )
         return _patch(
             activation,
             by_pos,
@@ -269,17 +287,26 @@ def _sweep_function(
     heads = (
         " (`n_kv_heads` on grouped-query models)" if activation in ("k", "v") and with_head else ""
     )
+    seam = (
+        ""
+        if activation in TL_NAMES_ON_HF
+        else " (a bridge only: HuggingFace models have no such hook)"
+    )
     patch.__name__ = patch.__qualname__ = name
     patch.__doc__ = f"""Patch {what}: TransformerLens' `patching.{name}`, batched on the cache.
 
-    Patches `{get_act_name(activation, 0).replace("0", "{layer}")}` from `clean_cache`
-    into the corrupted run at each [{axes}]{heads}.
+    Patches `blocks.{{layer}}.{TL_NAMES[activation]}` from `clean_cache`
+    into the corrupted run at each [{axes}]{heads}. On a TransformerBridge or a
+    HuggingFace model{seam}, see `safelens.patching._hf_sites` for where it patches
+    (keys at the cache seam, after the rotary embedding: the same patch at one position).
 
     **Arguments:**
 
-    - `model`: a `HookedTransformer`.
+    - `model`: a `HookedTransformer`, a TransformerBridge or a HuggingFace causal LM.
     - `corrupted_tokens`: `[batch, pos]` tokens of the corrupted run.
-    - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`).
+    - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`; on a
+      HuggingFace model, [`run_with_patching_cache`][safelens.run_with_patching_cache]'s
+      dict).
     - `patching_metric`: logits `[runs * batch, pos, d_vocab]` to `[runs]` (fast), or
       TransformerLens-style logits of one run to a scalar.
     - `max_batch`: at most this many patched runs per forward pass.

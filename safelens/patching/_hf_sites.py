@@ -1,0 +1,249 @@
+"""Where a sweep patches on a TransformerBridge or a HuggingFace model, and the clean cache.
+
+A site is one activation of every layer: the hook a patched pass edits, the clean
+tensor patched in, and the layout both share. Keys and values are patched at the
+cache seam (`cache.update`, the `hook_k_new` / `hook_v_new` cache hook points), head-
+major `[batch, n_kv_heads, pos, d_head]`, keys *after* the rotary embedding.
+TransformerLens patches `attn.hook_k`, before it; for a patch at one position the two
+are the same patch, because the rotation of a position is a fixed linear map of that
+position's key (the clean and the corrupted run give a position the same rotary angle:
+prompts of one length, positions counted alike).
+
+| `activation` | TransformerBridge: hook (clean cache name) | HuggingFace model: hook (clean cache name) |
+| --- | --- | --- |
+| `k` | `blocks.{l}.kv_cache.hook_k_new` (`blocks.{l}.attn.hook_rot_k`; `attn.hook_k` without rotary) | `model.layers.{l}.kv_cache.hook_k_new` (the same) |
+| `v` | `blocks.{l}.kv_cache.hook_v_new` (`blocks.{l}.attn.hook_v`) | `model.layers.{l}.kv_cache.hook_v_new` (the same) |
+| `q`, `z` | `blocks.{l}.attn.hook_q`, `hook_z` | none: HuggingFace attention computes them inside one call |
+| `resid_pre` | `blocks.{l}.hook_resid_pre` | the decoder layer's input (`blocks.{l}.hook_resid_pre`) |
+| `resid_mid` | `blocks.{l}.hook_resid_mid` | none |
+| `attn_out` | `blocks.{l}.hook_attn_out` | the attention module's output (`blocks.{l}.hook_attn_out`) |
+| `mlp_out` | `blocks.{l}.hook_mlp_out` | the MLP module's output (`blocks.{l}.hook_mlp_out`) |
+
+On a bridge the clean cache is `bridge.run_with_cache(clean_tokens)`'s
+`ActivationCache`; on a HuggingFace model it is the dict
+[`run_with_patching_cache`][safelens.run_with_patching_cache] returns.
+
+Caveat: on HuggingFace models `attn_out` and `mlp_out` are the modules' outputs, before
+any norm a family applies on the way back into the residual stream (Gemma-2's
+`post_attention_layernorm`, `post_feedforward_layernorm`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from ..backends._backend import Backend, NamesFilter, backend_of
+from ..core._errors import PatchingError
+from ..core._tokens import check_tokens
+
+__all__ = ["TL_NAMES", "TL_NAMES_ON_HF", "Site", "run_with_patching_cache", "site_of"]
+
+# TransformerLens' names under `blocks.{layer}.` (`get_act_name`), without importing it.
+TL_NAMES = {
+    "resid_pre": "hook_resid_pre",
+    "resid_mid": "hook_resid_mid",
+    "attn_out": "hook_attn_out",
+    "mlp_out": "hook_mlp_out",
+    "q": "attn.hook_q",
+    "k": "attn.hook_k",
+    "v": "attn.hook_v",
+    "z": "attn.hook_z",
+}
+# What a plain HuggingFace model can be patched at (the others need a bridge).
+TL_NAMES_ON_HF = frozenset({"resid_pre", "attn_out", "mlp_out", "k", "v"})
+_MODULES = {"attn_out": ("self_attn", "attn"), "mlp_out": ("mlp",)}
+
+
+@dataclass(frozen=True)
+class Site:
+    """One activation of every layer: what a patched pass edits and where its clean tensor is.
+
+    `hook(layer)` names the hook (a bridge, cache or module name; `None` for the
+    decoder layer's input, patched by `residual_input`); `clean(layer)` the clean
+    cache's key; the hook's tensor and the clean tensor are laid out alike, positions
+    on `pos_axis`, heads (if any) on `head_axis`, except that a clean tensor that is
+    position-major (`transposed`: a bridge's `attn.hook_rot_k`) swaps axes 1 and 2.
+    """
+
+    activation: str
+    hook: Callable[[int], str | None]
+    clean: Callable[[int], str]
+    pos_axis: int
+    head_axis: int
+    heads: int
+    transposed: bool = False
+
+
+def _decoder_layers(model: Any, n_layers: int) -> tuple[str, torch.nn.ModuleList]:
+    """The name and module list of a HuggingFace model's decoder layers."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n_layers:
+            return name, module
+    raise PatchingError(
+        f"found no list of {n_layers} decoder layers in {type(model).__name__}; the sweeps "
+        "patch HuggingFace causal LMs whose layers sit in one ModuleList"
+    )
+
+
+def _module_name(backend: Backend, activation: str, layer: int) -> str:
+    prefix, layers = _decoder_layers(backend.model, backend.n_layers)
+    for child in _MODULES[activation]:
+        if hasattr(layers[layer], child):
+            return f"{prefix}.{layer}.{child}"
+    raise PatchingError(
+        f"decoder layer {layer} of {type(backend.model).__name__} has no "
+        f"{' or '.join(_MODULES[activation])} module to patch as {activation!r}"
+    )
+
+
+def site_of(backend: Backend, activation: str) -> Site:
+    """The site of `activation` on `backend`'s model, or a `PatchingError` saying why none."""
+    config = backend.config  # type: ignore[attr-defined]
+    n_heads = int(config.num_attention_heads)
+    tl = TL_NAMES[activation]
+    layout = backend.caches.layout
+    if activation in ("k", "v"):
+        point = f"hook_{activation}_new"
+
+        def cache_name(layer: int) -> str:
+            return layout.hook_name(layer, point)
+
+        if backend.family != "bridge":
+            return Site(activation, cache_name, cache_name, 2, 1, backend.n_kv_heads)
+        rotary = activation == "k" and "blocks.0.attn.hook_rot_k" in backend.model.hook_dict
+        name = "attn.hook_rot_k" if rotary else tl
+
+        def clean(layer: int) -> str:
+            return f"blocks.{layer}.{name}"
+
+        return Site(activation, cache_name, clean, 2, 1, backend.n_kv_heads, transposed=True)
+    heads = n_heads if activation in ("q", "z") else 0
+
+    def tl_name(layer: int) -> str:
+        return f"blocks.{layer}.{tl}"
+
+    if backend.family == "bridge":
+        return Site(activation, tl_name, tl_name, 1, 2, heads)
+    if activation in _MODULES:
+        return Site(
+            activation, lambda layer: _module_name(backend, activation, layer), tl_name, 1, 2, 0
+        )
+    if activation == "resid_pre":
+        return Site(activation, lambda layer: None, tl_name, 1, 2, 0)
+    raise PatchingError(
+        f"activation {activation!r} has no hook point on a plain HuggingFace model (its "
+        "attention computes queries and head outputs inside one call, and no residual "
+        "stream sits between attention and MLP); sweep k, v, resid_pre, attn_out or "
+        "mlp_out, or wrap the model in a TransformerLens TransformerBridge, whose hook "
+        "points cover q, z and resid_mid"
+    )
+
+
+@contextmanager
+def residual_input(
+    backend: Backend, hooks: Mapping[int, Callable[[torch.Tensor], torch.Tensor | None]]
+) -> Iterator[None]:
+    """Within the block, `hooks[layer](hidden_states)` sees (and may replace) layer `layer`'s input.
+
+    Plain PyTorch forward pre-hooks, removed by their handles on exit (also on error).
+    """
+    _, layers = _decoder_layers(backend.model, backend.n_layers)
+
+    def pre_hook(edit: Callable[[torch.Tensor], torch.Tensor | None]) -> Any:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            result = edit(hidden)
+            if result is None:
+                return None
+            if args:
+                return (result, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": result}
+
+        return hook
+
+    handles = [
+        layers[layer].register_forward_pre_hook(pre_hook(edit), with_kwargs=True)
+        for layer, edit in hooks.items()
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def run_with_patching_cache(
+    model: Any, tokens: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Run a HuggingFace causal LM once; return its logits and the clean cache of the sweeps.
+
+    `run_with_cache`'s counterpart for plain HuggingFace models, whose modules carry no
+    TransformerLens hook points: the dict holds, per layer `l`, everything the patching
+    sweeps patch on such a model: `blocks.{l}.hook_resid_pre`, `blocks.{l}.hook_attn_out`
+    and `blocks.{l}.hook_mlp_out` `[batch, pos, d_model]`, and the cache's
+    `model.layers.{l}.kv_cache.hook_k_new` / `hook_v_new` `[batch, n_kv_heads, pos,
+    d_head]` (keys after the rotary embedding). Positions and padding as the sweeps
+    use them: the attention mask from the model's tokenizer (`model.tokenizer`, left
+    padding) when it has one, else every position.
+
+    **Arguments:**
+
+    - `model`: a HuggingFace causal LM (on a TransformerBridge, use its own
+      `run_with_cache`).
+    - `tokens`: `[batch, pos]` token ids of the clean prompts.
+
+    **Returns:** `(logits, cache)`: logits `[batch, pos, d_vocab]`, and the dict above.
+
+    **Raises:** [`TokenError`][safelens.TokenError] for tokens that are not token ids
+    of this model; [`PatchingError`][safelens.PatchingError] for a TransformerBridge.
+
+    ```python
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32,
+    ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=10))
+    >>> logits, clean_cache = run_with_patching_cache(model, torch.tensor([[1, 2, 3]]))
+    >>> clean_cache["model.layers.1.kv_cache.hook_k_new"].shape
+    torch.Size([1, 2, 3, 4])
+
+    ```
+    """
+    backend = backend_of(model, "run_with_patching_cache")
+    if backend.family != "hf":
+        raise PatchingError(
+            "run_with_patching_cache takes a plain HuggingFace causal LM, got a "
+            f"{type(model).__name__}; on a TransformerBridge the clean cache is "
+            "bridge.run_with_cache(clean_tokens)[1]"
+        )
+    tokens = _tokens(backend, tokens, "tokens")
+    captured: dict[str, torch.Tensor] = {}
+
+    def keep(name: str) -> Callable[..., None]:
+        def hook(tensor: torch.Tensor, hook: Any = None) -> None:
+            captured[name] = tensor.detach().clone()
+
+        return hook
+
+    pairs: list[tuple[NamesFilter, Callable[..., None]]] = []
+    for activation in ("k", "v", "attn_out", "mlp_out"):
+        site = site_of(backend, activation)
+        for layer in range(backend.n_layers):
+            pairs.append((str(site.hook(layer)), keep(site.clean(layer))))
+    inputs = {layer: keep(f"blocks.{layer}.hook_resid_pre") for layer in range(backend.n_layers)}
+    cache = backend.empty_cache(tokens.shape[0])
+    with torch.no_grad(), residual_input(backend, inputs), backend.pass_hooks(cache, pairs):
+        logits = backend.forward(tokens, backend.default_mask(tokens), cache)
+    return logits, captured
+
+
+def _tokens(backend: Backend, tokens: Any, what: str) -> torch.Tensor:
+    """`tokens` checked as `[batch, pos]` token ids of `backend`'s model, on its device."""
+    if isinstance(tokens, torch.Tensor) and tokens.dim() == 1:
+        tokens = tokens[None]
+    limits = SimpleNamespace(d_vocab=backend.d_vocab, n_ctx=backend.n_ctx)
+    return check_tokens(tokens, limits, what).to(backend.device)

@@ -1,0 +1,250 @@
+"""Patching sweeps on a TransformerBridge or a HuggingFace causal LM, many runs per pass.
+
+The `get_act_patch_*` sweeps dispatch here for a model that is not a
+`HookedTransformer` ([`backend_of`][safelens.backends._backend.backend_of]): a
+TransformerBridge or a plain HuggingFace causal LM. Where each sweep patches, and what
+the clean cache is, is `safelens.patching._hf_sites`' table. The corrupted prompt runs
+once into a frozen [`HFKeyValueCache`][safelens.HFKeyValueCache]. A patch at position
+`p` changes nothing before `p` in a causal model, so the patched runs are grouped by
+`p` (rounded down to a multiple of 4); each group's runs are stacked along the batch,
+`batch` rows per run, and run only positions `p:` through the model, on forks of the
+corrupted cache cropped to `p` and broadcast to every row (`cropped(p).expand(rows)`,
+read once per layer under [`shared_prefix`][safelens.shared_prefix] on HuggingFace
+models). The logits of positions `< p` are the corrupted run's.
+
+Positions and padding, as the reference does: on a bridge, every position is attended
+with positions `0…pos-1`, as `bridge(tokens)` does for a tensor of tokens; on a
+HuggingFace model, the mask comes from `model.tokenizer` (left padding) when it has a
+pad token, and positions from the mask, as `generate` gives them.
+
+Caveat: every patched run runs every layer (a HuggingFace model cannot start at a
+layer), so a sweep reuses positions, not layers; the memory budget bounds the rows of
+one pass. Hooks on a bridge's own hook points act on every thread's passes while a
+sweep runs (TransformerLens' bookkeeping).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from ..backends._backend import Backend, backend_of
+from ..core._errors import PatchingError
+from ._hf_sites import Site, _tokens, residual_input, site_of
+from ._limits import _check_limits
+from ._metric import Metric, _Metric
+
+__all__ = ["is_seam_model", "seam_patch"]
+
+# Runs patched at positions `p0 … p0 + _SPAN - 1` share one pass that starts at `p0`.
+_SPAN = 4
+# (slot in the result, layer, position or None, head or None)
+_Run = tuple[int, int, "int | None", "int | None"]
+
+
+def is_seam_model(model: Any) -> bool:
+    """Whether `model` is a TransformerBridge or a HuggingFace causal LM (by its classes)."""
+    families = {("transformer_lens", "TransformerBridge"), ("transformers", "GenerationMixin")}
+    return any(
+        (cls.__module__.partition(".")[0], cls.__name__) in families for cls in type(model).__mro__
+    )
+
+
+def _clean(
+    backend: Backend, site: Site, clean_cache: Any, layer: int, batch: int, length: int
+) -> torch.Tensor:
+    """The clean activation of `site` at `layer`, checked, in the hook's layout, `batch` rows."""
+    name = site.clean(layer)
+    how = (
+        "bridge.run_with_cache(clean_tokens)"
+        if backend.family == "bridge"
+        else "safelens.run_with_patching_cache(model, clean_tokens)"
+    )
+    try:
+        clean = clean_cache[name]
+    except (KeyError, TypeError):
+        raise PatchingError(
+            f"clean_cache has no activation {name!r}; pass the clean cache of {how}"
+        ) from None
+    if not isinstance(clean, torch.Tensor):
+        raise PatchingError(f"clean_cache[{name!r}] is a {type(clean).__name__}, not a tensor")
+    if site.transposed:
+        clean = clean.transpose(1, 2)
+    expected: tuple[int, ...]
+    if site.pos_axis == 2:
+        expected = (backend.n_kv_heads, length, backend.d_head)
+    elif site.heads:
+        expected = (length, site.heads, backend.d_head)
+    else:
+        expected = (length, backend.d_model)
+    if (
+        clean.dim() != 1 + len(expected)
+        or clean.shape[0] not in (1, batch)
+        or tuple(clean.shape[1:]) != expected
+    ):
+        raise PatchingError(
+            f"clean_cache[{name!r}] has shape {tuple(clean.shape)}; expected [batch={batch} or "
+            f"1, {', '.join(map(str, expected))}] to match corrupted_tokens {(batch, length)}. "
+            "Clean and corrupted prompts must have the same length"
+        )
+    return clean.to(backend.device).expand(batch, *expected)
+
+
+def _put(
+    site: Site,
+    tensor: torch.Tensor,
+    clean: torch.Tensor,
+    index: tuple[torch.Tensor, ...],
+    start: int,
+) -> torch.Tensor:
+    """Write the clean values at `index` = (rows, clean rows, pos, head) into `tensor` (positions `start:`)."""
+    rows, clean_rows, pos, head = index
+    target: list[Any] = [slice(None)] * tensor.dim()
+    source: list[Any] = [slice(None)] * clean.dim()
+    target[0], source[0] = rows, clean_rows
+    if pos.numel():
+        target[site.pos_axis], source[site.pos_axis] = pos - start, pos
+    if head.numel():
+        target[site.head_axis], source[site.head_axis] = head, head
+    # In place, as TransformerLens' setters: a bridge alias such as `hook_resid_mid`
+    # (`ln2.hook_in`) ignores what its hook returns.
+    tensor[tuple(target)] = clean[tuple(source)]
+    return tensor
+
+
+def _rows_limit(backend: Backend, heads: int, new: int, length: int, max_bytes: int) -> int:
+    """Rows one pass of `new` positions may hold within `max_bytes` (an estimate)."""
+    config = backend.config  # type: ignore[attr-defined]
+    d_mlp = getattr(config, "intermediate_size", None) or 4 * backend.d_model
+    width = 2 * backend.d_vocab + 8 * backend.d_model + 2 * d_mlp + 3 * heads * length
+    itemsize = torch.empty((), dtype=backend.dtype).element_size()
+    return max(1, max_bytes // (new * width * itemsize))
+
+
+def seam_patch(
+    activation: str,
+    by_pos: bool,
+    with_head: bool,
+    model: Any,
+    corrupted_tokens: torch.Tensor,
+    clean_cache: Any,
+    patching_metric: Metric,
+    max_batch: int | None,
+    max_bytes: int,
+    progress: bool,
+) -> torch.Tensor:
+    """One `get_act_patch_*` sweep on a TransformerBridge or HuggingFace model (module notes)."""
+    _check_limits(max_batch, max_bytes, progress)
+    backend = backend_of(model, "patching")
+    site = site_of(backend, activation)
+    tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
+    batch, length = tokens.shape
+    clean = [
+        _clean(backend, site, clean_cache, layer, batch, length)
+        for layer in range(backend.n_layers)
+    ]
+    if backend.family == "bridge":
+        mask = torch.ones_like(tokens, dtype=torch.long)
+    else:
+        mask = backend.default_mask(tokens).to(tokens.device)
+    shape = (
+        backend.n_layers,
+        *((length,) if by_pos else ()),
+        *((site.heads,) if with_head else ()),
+    )
+    runs: list[_Run] = []
+    for slot, index in enumerate(itertools.product(*map(range, shape))):
+        pos = index[1] if by_pos else None
+        runs.append((slot, index[0], pos, index[-1] if with_head else None))
+    groups: dict[int, list[_Run]] = {}
+    for run in runs:
+        start = run[2] - run[2] % _SPAN if run[2] is not None else 0
+        groups.setdefault(start, []).append(run)
+    out = torch.zeros(shape, device=backend.device)
+    flat = out.view(-1)
+    scored = _Metric(patching_metric, batch)
+    with torch.no_grad():
+        corrupted = backend.empty_cache(batch)
+        corrupted_logits = backend.forward(tokens, mask, corrupted)
+        corrupted.freeze()
+        with tqdm(total=len(runs), disable=not progress, desc="patching") as bar:
+            for start, group in sorted(groups.items()):
+                rows = _rows_limit(backend, site.heads or 1, length - start, length, max_bytes)
+                per_pass = max(1, rows // batch)
+                per_pass = min(per_pass, max_batch) if max_batch else per_pass
+                for first in range(0, len(group), per_pass):
+                    chunk = group[first : first + per_pass]
+                    logits = _forward(backend, site, tokens, mask, corrupted, clean, chunk, start)
+                    if start:
+                        before = corrupted_logits[:, :start].repeat(len(chunk), 1, 1)
+                        logits = torch.cat([before, logits], dim=1)
+                    slots = torch.tensor([run[0] for run in chunk], device=out.device)
+                    flat[slots] = scored(logits, len(chunk)).to(out.device, out.dtype)
+                    bar.update(len(chunk))
+    return out
+
+
+def _forward(
+    backend: Backend,
+    site: Site,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    corrupted: Any,
+    clean: list[torch.Tensor],
+    chunk: list[_Run],
+    start: int,
+) -> torch.Tensor:
+    """Logits of positions `start:` of the chunk's patched runs, `batch` rows per run."""
+    batch, runs = tokens.shape[0], len(chunk)
+    device = tokens.device
+    if start:
+        prefix = corrupted.cropped(start)
+        prefix = (
+            prefix.expand(runs) if batch == 1 else prefix.select(torch.arange(batch).repeat(runs))
+        )
+        prefix.freeze()
+    else:
+        prefix = backend.empty_cache(batch * runs)
+    edits: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
+    for layer in sorted({run[1] for run in chunk}):
+        at = [i for i, run in enumerate(chunk) if run[1] == layer]
+        offsets = torch.arange(batch, device=device)
+        row = (torch.tensor(at, device=device)[:, None] * batch + offsets).reshape(-1)
+        pos, head = (
+            torch.tensor(
+                [chunk[i][k] for i in at if chunk[i][k] is not None],
+                dtype=torch.long,
+                device=device,
+            ).repeat_interleave(batch)
+            for k in (2, 3)
+        )
+        index = (row, offsets.repeat(len(at)), pos, head)
+        edits[layer] = _edit(site, clean[layer], index, start)
+    hooked = [
+        (site.hook(layer), edit) for layer, edit in edits.items() if site.hook(layer) is not None
+    ]
+    inputs = {layer: edit for layer, edit in edits.items() if site.hook(layer) is None}
+
+    fwd_hooks = [(name, _as_hook(edit)) for name, edit in hooked]
+    with residual_input(backend, inputs):
+        with backend.pass_hooks(prefix, fwd_hooks):  # type: ignore[arg-type]
+            return backend.forward_continuations(
+                tokens[:, start:].repeat(runs, 1), mask.repeat(runs, 1), prefix
+            )
+
+
+def _edit(
+    site: Site, clean: torch.Tensor, index: tuple[torch.Tensor, ...], start: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda tensor: _put(site, tensor, clean, index, start)
+
+
+def _as_hook(edit: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def hook(tensor: torch.Tensor, hook: Any = None) -> torch.Tensor:
+        return edit(tensor)
+
+    return hook
