@@ -1,0 +1,89 @@
+"""Patching sweeps on a TransformerBridge: safelens against transformer_lens.patching on it.
+
+The SPEC §3 model shape (4 layers, d_model 256, Llama-like grouped-query attention,
+`bench_hf.llama_model`) behind a TransformerBridge. TransformerLens runs one full
+forward pass through the bridge per patch, so it is timed on an evenly spread subset of
+the grid (its own `generic_activation_patch` with an `index_df`, the loop its
+`get_act_patch_*` functions run) and its time is extrapolated per patch; agreement is
+checked on every patch it ran. safelens patches keys after the rotary embedding at the
+cache seam, TransformerLens `attn.hook_k` before it: the same patch at one position.
+The metric is a last-position logit difference, batched for safelens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import pandas as pd
+import torch
+import transformer_lens.patching as tl_patching
+
+import safelens
+
+from ._common import Row, best_time
+from .bench_hf import FULL, QUICK, VOCAB, bridge_model
+
+TARGET = "≥10× vs transformer_lens.patching on the bridge, ≤1e-4"
+NAMES = {"k": "get_act_patch_attn_head_k_by_pos", "v": "get_act_patch_attn_head_v_by_pos"}
+
+
+def _metric(logits: torch.Tensor) -> torch.Tensor:
+    """Logit difference at the last position, one value per row (batch 1: per run)."""
+    return logits[:, -1, 3] - logits[:, -1, 5]
+
+
+def grid_row(bridge, activation: str, length: int, max_patches: int, repeats: int) -> Row:
+    """One by-position grid on `bridge`: safelens' time, TransformerLens' extrapolated."""
+    generator = torch.Generator().manual_seed(0)
+    clean, corrupted = (torch.randint(1, VOCAB, (1, length), generator=generator) for _ in "ab")
+    with torch.no_grad():
+        _, clean_cache = bridge.run_with_cache(clean)
+        sweep = getattr(safelens, NAMES[activation])
+        ours = sweep(bridge, corrupted, clean_cache, _metric, progress=False)
+        ours_s = best_time(
+            lambda: sweep(bridge, corrupted, clean_cache, _metric, progress=False),
+            repeats=repeats,
+            warmup=0,
+        )
+        total = ours.numel()
+        flat = torch.arange(0, total, max(1, -(-total // max_patches)))
+        index = torch.stack(torch.unravel_index(flat, ours.shape), dim=1)
+        index_df = pd.DataFrame(index.tolist(), columns=["layer", "pos", "head"])
+        start = time.perf_counter()
+        theirs = tl_patching.generic_activation_patch(
+            bridge,
+            corrupted,
+            clean_cache,
+            _metric,
+            tl_patching.layer_pos_head_vector_patch_setter,
+            activation,
+            index_df=index_df,
+        )
+        theirs_s = (time.perf_counter() - start) / len(flat) * total
+    diff = float((ours.reshape(-1)[flat] - theirs).abs().max())
+    note = f"max abs diff {diff:.1e}; TL timed on {len(flat)} of {total} patches, extrapolated"
+    job = f"{activation} by-position grid on the bridge, {length} tokens, {bridge.cfg.n_layers} layers"
+    return Row(job, ours_s, theirs_s, "s", diff <= 1e-4, TARGET, note)
+
+
+def run(quick: bool = False) -> list[Row]:
+    """The key and value grid rows (quick: the small model, 8 tokens)."""
+    sizes = QUICK if quick else FULL
+    bridge = bridge_model(sizes)
+    length = 8 if quick else 64
+    budget = 8 if quick else 64
+    return [grid_row(bridge, activation, length, budget, sizes.repeats) for activation in NAMES]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short run for development")
+    args = parser.parse_args()
+    print(f"{'job':<60} {'ratio':>8}  agree  note")
+    for row in run(quick=args.quick):
+        print(f"{row.job:<60} {row.ratio:>7.2f}×  {str(row.agree):<5}  {row.note}")
+
+
+if __name__ == "__main__":
+    main()
