@@ -320,3 +320,33 @@ def test_sweeps_name_a_clean_cache_that_does_not_fit():
 def test_run_with_patching_cache_refuses_a_bridge():
     with pytest.raises(PatchingError, match=r"bridge.run_with_cache\(clean_tokens\)"):
         run_with_patching_cache(bridge("llama"), ids(1, 4))
+
+
+def test_generic_activation_patch_says_it_needs_a_hooked_transformer():
+    lm = model("llama")
+    clean, corrupted = prompts(1, False)
+    with pytest.raises(PatchingError, match="generic_activation_patch needs a HookedTransformer"):
+        safelens.generic_activation_patch(
+            lm, corrupted, {}, batched(1), lambda a, i, c: a, "resid_pre", ["layer", "pos"]
+        )
+
+
+def test_a_sweep_interrupted_inside_a_patched_pass_leaves_no_hooks_behind():
+    lm = model("llama")
+    clean, corrupted = prompts(1, False)
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    calls = []
+
+    def interrupt(module, args, output):
+        calls.append(1)
+        if len(calls) == 2:  # the first patched pass, after the corrupted one
+            raise KeyboardInterrupt
+
+    handle = lm.lm_head.register_forward_hook(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            safelens.get_act_patch_resid_pre(lm, corrupted, clean_cache, batched(1), progress=False)
+    finally:
+        handle.remove()
+    assert len(calls) == 2
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in lm.modules())

@@ -9,6 +9,12 @@ from the corrupted run's frozen key/value cache: a patch at layer `l`, position 
 causal model only runs positions `p:` and layers `l:` (see `safelens.patching._grid`).
 Every input is checked before the first patched run (see `safelens.patching._inputs`).
 
+Models: a `HookedTransformer` runs here. A TransformerBridge or a HuggingFace causal LM
+goes to `safelens.patching._hf_sweeps` (the sweeps of this module but `resid_mid`, `q`
+and `z` on plain HuggingFace models; keys patched after the rotary embedding, the same
+patch at one position), so this module imports without `HookedTransformer`, which
+TransformerLens 4 removed; `generic_activation_patch` stays `HookedTransformer`-only.
+
 `patching_metric` is best *batched*: a function of logits `[runs * batch, pos, d_vocab]`
 (rows `r * batch … (r + 1) * batch - 1` are patched run `r`) returning `[runs]`, as
 [`logit_diff_metric`][safelens.logit_diff_metric] does. A TransformerLens-style metric,
@@ -41,6 +47,7 @@ import pandas as pd
 import torch
 from jaxtyping import Int
 
+from ..core._errors import PatchingError
 from ._hf_sites import TL_NAMES, TL_NAMES_ON_HF
 from ._hf_sweeps import is_seam_model, seam_patch
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
@@ -199,6 +206,12 @@ def generic_activation_patch(
 
     ```
     """
+    if is_seam_model(model):
+        raise PatchingError(
+            f"generic_activation_patch needs a HookedTransformer, got {type(model).__name__}; "
+            "on a TransformerBridge or a HuggingFace model use the get_act_patch_* sweeps, "
+            "or on a bridge transformer_lens.patching.generic_activation_patch"
+        )
     from ._grid import Run
     from ._inputs import _check_index_choice, _check_patched, _index_grid, _Sweep
 
