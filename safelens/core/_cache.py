@@ -29,8 +29,7 @@ from jaxtyping import Int
 
 from ._arguments import integer, positive_int
 from ._cache_entry import KeyValueCacheEntry
-from ._cache_layout import check_layout
-from ._cache_layout import check_rows as _check_rows  # the name safelens.backends.hf._cache imports
+from ._cache_layout import check_layout, row_index
 from ._config import CacheDimensions
 from ._errors import CacheShapeError
 from ._fit import check_fits
@@ -370,16 +369,7 @@ class KeyValueCache:
 
         ```
         """
-        batch = self.batch_size
-        _check_rows(rows)
-        try:
-            index = torch.arange(batch)[rows].reshape(-1)
-        except (IndexError, TypeError, RuntimeError) as error:
-            raise IndexError(
-                f"rows {rows!r} do not index a batch of {batch} rows: {error}"
-            ) from None
-        if index.numel() == 0:
-            raise IndexError(f"rows {rows!r} select no row of a batch of {batch}")
+        index = row_index(rows, self.batch_size)
         return self._derived(lambda seq: seq.select(index), "select")
 
     def clone(self) -> KeyValueCache:

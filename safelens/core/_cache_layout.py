@@ -24,7 +24,7 @@ from ._cache_entry import KeyValueCacheEntry
 from ._errors import CacheShapeError
 from ._values import shape_of
 
-__all__ = ["check_layout", "check_rows"]
+__all__ = ["check_layout", "check_rows", "row_index"]
 
 
 def check_rows(rows: Any) -> None:
@@ -43,6 +43,29 @@ def check_rows(rows: Any) -> None:
         f"rows must be an int, a slice, a list of ints or an integer tensor, got {rows!r}; "
         "torch would read floats or bools as other rows than meant"
     )
+
+
+def row_index(rows: Any, batch: int) -> torch.Tensor:
+    """The 1-D index of the rows `rows` selects of a batch of `batch` rows.
+
+    Raises `TypeError` for rows torch would read some other way (see `check_rows`) and
+    `IndexError` for rows outside the batch or none at all.
+
+    ```python
+    >>> row_index([0, -1], 4), row_index(slice(1, 3), 4)
+    (tensor([0, 3]), tensor([1, 2]))
+
+    ```
+    """
+    check_rows(rows)
+    device = rows.device if isinstance(rows, torch.Tensor) else None
+    try:
+        index = torch.arange(batch, device=device)[rows].reshape(-1)
+    except (IndexError, TypeError, RuntimeError) as error:
+        raise IndexError(f"rows {rows!r} do not index a batch of {batch} rows: {error}") from None
+    if index.numel() == 0:
+        raise IndexError(f"rows {rows!r} select no row of a batch of {batch}")
+    return index
 
 
 def check_layout(entries: dict[int, KeyValueCacheEntry], mask: Any) -> None:

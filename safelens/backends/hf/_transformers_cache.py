@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from ...core._cache import _check_rows
+from ...core._cache_layout import row_index
 from ...core._errors import FrozenCacheError
 from ._layer import HFCacheLayer
 
@@ -36,18 +36,7 @@ class TransformersCache(Cache):
     _frozen: bool
 
     def _rows(self, rows: Any) -> torch.Tensor:
-        batch = max(self.batch_size, 0)
-        _check_rows(rows)
-        device = rows.device if isinstance(rows, torch.Tensor) else None
-        try:
-            index = torch.arange(batch, device=device)[rows].reshape(-1)
-        except (IndexError, TypeError, RuntimeError) as error:
-            raise IndexError(
-                f"rows {rows!r} do not index a batch of {batch} rows: {error}"
-            ) from None
-        if index.numel() == 0:
-            raise IndexError(f"rows {rows!r} select no row of a batch of {batch}")
-        return index
+        return row_index(rows, max(self.batch_size, 0))
 
     # -- HuggingFace's in-place methods -----------------------------------------------
 
