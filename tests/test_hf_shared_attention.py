@@ -165,13 +165,13 @@ def test_calls_it_does_not_handle_run_the_models_own_attention(shared_reads):
             # Not broadcast: rows of storage of their own.
             run(lm, continuations, rows.select([0, 1, 2]), attention_mask=mask)
             # Attention weights asked for.
-            out = lm(continuations, cache=rows, attention_mask=mask, output_attentions=True)
+            out = run(lm, continuations, rows, attention_mask=mask, output_attentions=True)
     assert shared_reads == []
-    torch.testing.assert_close(out.logits, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
     embeddings = lm.get_input_embeddings()(continuations).detach().requires_grad_()
     with torch.enable_grad(), shared_prefix(lm):
         # Gradients to record: the queries require them.
-        lm(inputs_embeds=embeddings, cache=rows, attention_mask=mask).logits.sum().backward()
+        run(lm, None, rows, inputs_embeds=embeddings, attention_mask=mask).sum().backward()
     assert shared_reads == [] and embeddings.grad is not None
 
 

@@ -375,15 +375,16 @@ def shared_prefix(model: Any) -> Iterator[None]:
 
     ```python
     >>> from transformers import LlamaConfig, LlamaForCausalLM
-    >>> from safelens import HFKeyValueCache
+    >>> from safelens import HFKeyValueCache, hf_cache_argument
     >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32,
     ...     num_hidden_layers=1, num_attention_heads=2, vocab_size=10)).eval()
+    >>> arg = hf_cache_argument(model)  # "cache" on transformers >= 5.24
     >>> prefix = HFKeyValueCache(model.config)
-    >>> _ = model(torch.tensor([[1, 2, 3, 4]]), cache=prefix)
+    >>> _ = model(torch.tensor([[1, 2, 3, 4]]), **{arg: prefix})
     >>> rows = prefix.expand(3)
     >>> rows.freeze()
     >>> with torch.no_grad(), shared_prefix(model):
-    ...     logits = model(torch.tensor([[5], [6], [7]]), cache=rows).logits
+    ...     logits = model(torch.tensor([[5], [6], [7]]), **{arg: rows}).logits
     >>> logits.shape
     torch.Size([3, 1, 10])
 
