@@ -171,3 +171,26 @@ def test_bad_inputs_are_refused_naming_them() -> None:
         attribution_patch(model, corrupted, shorter, linear_metric)
     with pytest.raises(PatchingError, match="verify_top_k"):
         attribution_patch(model, corrupted, clean_cache, linear_metric, verify_top_k=-1)
+
+
+def test_the_qk_fix_is_refused_where_attention_transforms_keys_further() -> None:
+    cfg = HookedTransformerConfig(
+        n_layers=1,
+        d_model=16,
+        n_ctx=8,
+        d_head=4,
+        n_heads=4,
+        d_vocab=11,
+        attn_only=True,
+        use_attention_sinks=True,
+        device="cpu",
+    )
+    model = HookedTransformer(cfg)
+    corrupted, clean_cache = (
+        torch.tensor([[1, 5, 3]]),
+        model.run_with_cache(torch.tensor([[1, 2, 3]]))[1],
+    )
+    with pytest.raises(PatchingError, match=r"\(cfg.use_attention_sinks\); pass qk_fix=False"):
+        attribution_patch(model, corrupted, clean_cache, linear_metric)
+    plain = attribution_patch(model, corrupted, clean_cache, linear_metric, qk_fix=False)
+    assert plain.estimates["k"].shape == (1, 3, 4)
