@@ -1,169 +1,320 @@
 """Find an induction circuit with safelens, end to end, in about a minute on a CPU.
 
 1. Train a 2-layer attention-only HookedTransformer to continue repeated random token
-   sequences (a task solved by induction heads), until it gets them right.
-2. (a) Locate the mechanism with key- and value-by-position patching sweeps (heatmaps).
-   (b) Frozen-prefix ablation: zero one head's cached keys/values at a time (read-time)
-       and see which head the continuation relies on.
-   (c) Counterfactual continuations: score several continuations of one shared, frozen
-       prefix at once, and generate from it.
+   segments (`examples/_induction.py`).
+2. Name the circuit with standard diagnostics that owe nothing to safelens: each head's
+   previous-token and induction score, from its attention pattern.
+3. Locate it with safelens' key and value patching sweeps, under a corruption that
+   changes only *where* induction can look, and check that the sweeps' strongest
+   components are the heads step 2 named.
+4. Read-time versus write-time: ablate the previous-token head's cached keys/values
+   (read-time, then write-time) and the induction heads' cached keys (read-time), and
+   score the copied tokens from a frozen prefix.
+5. Counterfactual continuations of one frozen prefix, and generation from it.
 
-Run: python examples/induction_demo.py [--out DIR] [--seed N]
+Every sentence printed is computed in this run and asserted here; every number goes to
+`induction_numbers.json` next to the figures (`tests/test_examples.py` recomputes them
+with TransformerLens alone).
+
+Run: python examples/induction_demo.py [--out DIR | --docs] [--seed N]
 """
 
 from __future__ import annotations
 
 import argparse
-import warnings
+import json
+import math
 from pathlib import Path
+from typing import Any
 
 import torch
-from tqdm import tqdm
+from _induction import (
+    KNOWN,
+    SEGMENT,
+    VOCAB,
+    AnswerLogProb,
+    InductionData,
+    head_scores,
+    one_thread,
+    train_induction_model,
+)
+from transformer_lens import HookedTransformer
 
-warnings.filterwarnings("ignore", message="HookedTransformer is deprecated")
+import safelens
 
-from transformer_lens import HookedTransformer, HookedTransformerConfig  # noqa: E402
-
-import safelens  # noqa: E402
-
-VOCAB = 48  # token 0 is BOS; 1..VOCAB are the random tokens
-SEGMENT = 12  # longest repeated segment in training
-BOS = 0
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "figures"
+SOURCE = SEGMENT  # where the clean prompts' answer sits in the first copy
+THRESHOLD = 0.5  # a head "is" a previous-token / induction head from this score on
 
 
-def build_model(seed: int) -> HookedTransformer:
-    cfg = HookedTransformerConfig(
-        n_layers=2,
-        d_model=64,
-        n_ctx=2 * SEGMENT + 1,
-        d_head=16,
-        n_heads=4,
-        d_vocab=VOCAB + 1,
-        attn_only=True,
-        act_fn="gelu",
-        normalization_type="LN",
-        positional_embedding_type="standard",
-        seed=seed,
-        device="cpu",
+def _figure(width: float, height: float) -> Any:
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height))
+
+
+def _labels(n_known: int) -> list[str]:
+    """Position labels of `BOS s1 … s_SEGMENT s1 … s_n_known`."""
+    first = [f"s{i}" for i in range(1, SEGMENT + 1)]
+    return ["BOS", *first, *first[:n_known]]
+
+
+def _head(layer_head: tuple[int, int]) -> str:
+    return f"L{layer_head[0]}H{layer_head[1]}"
+
+
+def name_circuit(model: HookedTransformer, data: InductionData, out: Path) -> dict[str, Any]:
+    """Step 2: previous-token and induction scores of every head; the two heads' patterns."""
+    previous, induction = head_scores(model, data.diagnostic)
+    prev_head = divmod(int(previous.argmax()), model.cfg.n_heads)
+    induction_heads = [(layer, head) for layer, head in (induction >= THRESHOLD).nonzero().tolist()]
+    top_induction = divmod(int(induction.argmax()), model.cfg.n_heads)
+    assert previous[prev_head] >= THRESHOLD and prev_head[0] == 0, previous
+    assert induction_heads and all(layer == 1 for layer, _ in induction_heads), induction
+    names = [f"blocks.{layer}.attn.hook_pattern" for layer in (0, 1)]
+    with torch.no_grad():
+        _, cache = model.run_with_cache(data.diagnostic, names_filter=names)
+    figure = _figure(10, 5.2)
+    for panel, (layer, head) in enumerate((prev_head, top_induction)):
+        pattern = cache[names[layer]][:, head].mean(0)
+        ax = figure.add_subplot(1, 2, panel + 1)
+        image = ax.imshow(pattern.numpy(), cmap="Blues", vmin=0, vmax=1)
+        role = "previous-token head" if panel == 0 else "induction head"
+        score = previous[layer, head] if panel == 0 else induction[layer, head]
+        ax.set_title(f"{_head((layer, head))}, {role} (score {score:.2f})")
+        ticks = range(0, data.diagnostic.shape[1], 2)
+        labels = _labels(SEGMENT)
+        ax.set_xticks(ticks, labels=[labels[i] for i in ticks], rotation=90)
+        ax.set_yticks(ticks, labels=[labels[i] for i in ticks])
+        ax.set_xlabel("attended position (key)")
+        ax.set_ylabel("attending position (query)")
+        figure.colorbar(image, ax=ax, shrink=0.8, label="attention weight")
+    figure.suptitle(
+        f"Attention patterns, mean over {len(data.diagnostic)} sequences BOS + random "
+        f"{SEGMENT}-token segment + its repeat:\nthe previous-token head reads one position "
+        f"back; the induction head reads, from each repeated token, the token after its "
+        f"first occurrence ({SEGMENT - 1} back)",
+        fontsize=10,
     )
-    return HookedTransformer(cfg)
+    figure.tight_layout()
+    figure.savefig(out / "induction_patterns.png")
+    table = ["        " + "".join(f"  head {h}" for h in range(model.cfg.n_heads))]
+    for name, scores in (("previous-token", previous), ("induction", induction)):
+        for layer in range(model.cfg.n_layers):
+            row = "".join(f"{float(s):8.2f}" for s in scores[layer])
+            table.append(f"  {name:>14} L{layer}{row}")
+    return {
+        "previous_token_scores": previous.tolist(),
+        "induction_scores": induction.tolist(),
+        "previous_token_head": list(prev_head),
+        "induction_heads": [list(h) for h in induction_heads],
+        "top_induction_head": list(top_induction),
+        "table": table,
+    }
 
 
-def repeated(n: int, length: int, generator: torch.Generator) -> torch.Tensor:
-    """`[n, 1 + 2 * length]`: BOS, a random segment, the same segment again."""
-    half = torch.randint(1, VOCAB + 1, (n, length), generator=generator)
-    return torch.cat([torch.full((n, 1), BOS), half, half], dim=1)
-
-
-def repeat_accuracy(model: HookedTransformer, tokens: torch.Tensor, length: int) -> float:
-    """How often the model predicts the second copy's tokens (after its first)."""
+def locate(
+    model: HookedTransformer, data: InductionData, found: dict[str, Any], out: Path
+) -> dict[str, Any]:
+    """Step 3: key/value patching sweeps from the clean into the corrupted prompts."""
     with torch.no_grad():
-        predicted = model(tokens)[:, length + 1 : -1].argmax(-1)
-    return (predicted == tokens[:, length + 2 :]).float().mean().item()
-
-
-def train(model: HookedTransformer, seed: int, max_steps: int = 1500) -> tuple[int, float]:
-    """Train on repeated segments of random length until held-out accuracy >= 0.95."""
-    generator = torch.Generator().manual_seed(seed)
-    held_out = repeated(256, 10, torch.Generator().manual_seed(seed + 1))
-    optimiser = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    accuracy = 0.0
-    bar = tqdm(range(1, max_steps + 1), desc="training", unit="step", leave=False, disable=None)
-    for step in bar:
-        length = int(torch.randint(4, SEGMENT + 1, (1,), generator=generator))
-        tokens = repeated(64, length, generator)
-        log_probs = model(tokens)[:, length + 1 : -1].log_softmax(-1)
-        loss = -log_probs.gather(-1, tokens[:, length + 2 :, None]).mean()
-        optimiser.zero_grad()
-        loss.backward()
-        optimiser.step()
-        if step % 50 == 0:
-            accuracy = repeat_accuracy(model, held_out, 10)
-            bar.set_postfix(loss=f"{loss.item():.3f}", accuracy=f"{accuracy:.2f}")
-            if accuracy >= 0.95:
-                break
-    bar.close()
-    return step, accuracy
-
-
-def locate(model: HookedTransformer, seed: int, out: Path) -> str:
-    """(a) Key/value patching sweeps from a clean into a corrupted repeat."""
-    generator = torch.Generator().manual_seed(seed + 2)
-    segment = torch.randperm(VOCAB, generator=generator)[:10] + 1
-    clean = torch.cat([torch.tensor([BOS]), segment, segment[:-1]])[None]
-    wrong = int(segment[0])  # a token of the segment, but not the one that comes next
-    corrupted = clean.clone()
-    corrupted[0, len(segment)] = wrong  # the first copy's last token is changed
-    answer = int(segment[-1])
-    with torch.no_grad():
-        clean_logits, clean_cache = model.run_with_cache(clean)
-        corrupted_logits = model(corrupted)
-    metric = safelens.logit_diff_metric(clean_logits, corrupted_logits, answer, wrong)
-    labels = [str(t) for t in clean[0].tolist()]
-    lines, peaks = [], {}
+        clean_logits, clean_cache = model.run_with_cache(data.clean)
+        corrupted_logits = model(data.corrupted)
+    metric = AnswerLogProb(clean_logits, corrupted_logits, data.answers)
+    sweeps = {}
+    peaks = {}
     for name, sweep in (
         ("keys", safelens.get_act_patch_attn_head_k_by_pos),
         ("values", safelens.get_act_patch_attn_head_v_by_pos),
     ):
         with torch.no_grad():
-            result = sweep(model, corrupted, clean_cache, metric, progress=False)
-        peaks[name] = float(result.abs().max())
-        path = out / f"patching_{name}_by_pos.png"
-        safelens.plot_patching_heatmap(
-            result, labels=labels, title=f"patching clean {name} into the corrupted run", path=path
-        )
-        layer, pos, head = divmod_3(int(result.abs().argmax()), result.shape)
-        lines.append(
-            f"  {name:6}: strongest at layer {layer}, head {head}, position {pos} "
-            f"(metric {result[layer, pos, head].item():+.2f})  -> {path}"
-        )
-    if peaks["keys"] < 0.25 * peaks["values"]:
-        # The corruption changes which token the first copy holds, not the token before
-        # it that induction matches on: where attention looks is unchanged, what it
-        # copies is not.
-        lines.append(
-            "  the corruption changes what the continuation copies (values), "
-            "not where its attention looks (keys)"
-        )
-    return "\n".join(lines)
+            sweeps[name] = sweep(model, data.corrupted, clean_cache, metric, progress=False)
+        flat = int(sweeps[name].argmax())
+        layer, rest = divmod(flat, sweeps[name].shape[1] * sweeps[name].shape[2])
+        pos, head = divmod(rest, sweeps[name].shape[2])
+        peaks[name] = {"layer": layer, "position": pos, "head": head}
+        peaks[name]["metric"] = float(sweeps[name][layer, pos, head])
+    keys, values = peaks["keys"], peaks["values"]
+    # K-composition: the induction head's key at the source, computed from what the
+    # previous-token head wrote there from the position before it, restores the answer.
+    assert [keys["layer"], keys["head"]] in found["induction_heads"], peaks
+    assert keys["position"] == SOURCE, peaks
+    assert [values["layer"], values["head"]] == found["previous_token_head"], peaks
+    assert values["position"] == SOURCE - 1, peaks
+    _plot_sweeps(sweeps, peaks, found, out / "induction_kv_patching.png")
+    return {
+        "clean_log_prob": float(metric.clean),
+        "corrupted_log_prob": float(metric.corrupted),
+        "keys_peak": keys,
+        "values_peak": values,
+        "keys": sweeps["keys"].tolist(),
+        "values": sweeps["values"].tolist(),
+    }
 
 
-def divmod_3(flat: int, shape: torch.Size) -> tuple[int, int, int]:
-    layer, rest = divmod(flat, shape[1] * shape[2])
-    pos, head = divmod(rest, shape[2])
-    return layer, pos, head
+def _plot_sweeps(
+    sweeps: dict[str, torch.Tensor], peaks: dict[str, Any], found: dict[str, Any], path: Path
+) -> None:
+    from matplotlib.patches import Rectangle
 
-
-def ablate(model: HookedTransformer, prefix_tokens: torch.Tensor, rest: torch.Tensor) -> str:
-    """(b) Zero one head's cached prefix keys/values at a time, read-time."""
-    prefix = safelens.prefill(model, prefix_tokens)
-    snapshot = [(e.keys.clone(), e.values.clone()) for e in prefix.cache]
-    base = safelens.score_continuations(model, prefix, [rest]).sums.item()
-    drops = {}
-    for layer in range(model.cfg.n_layers):
-        for head in range(model.cfg.n_heads):
-            ablated = safelens.ablate_read(
-                prefix, safelens.Ablation("zero", layers=layer, heads=head)
-            )
-            score = safelens.score_continuations(model, ablated, [rest]).sums.item()
-            drops[(layer, head)] = base - score
-    unchanged = all(
-        torch.equal(e.keys, k) and torch.equal(e.values, v)
-        for e, (k, v) in zip(prefix.cache, snapshot, strict=True)
+    n_layers = sweeps["keys"].shape[0]
+    stacked = torch.cat([sweeps["keys"], sweeps["values"]])
+    figure = safelens.plot_patching_heatmap(
+        stacked,
+        labels=_labels(SEGMENT - 1),
+        title=(
+            "Patching clean keys (top rows) / values (bottom rows) into the corrupted run, one "
+            "panel per head\ncorrupted: the first copy's s9 replaced (the final s9 has no "
+            "earlier match); 1 = clean log p(s10), 0 = corrupted; boxes: each sweep's peak"
+        ),
     )
-    (layer, head), drop = max(drops.items(), key=lambda item: item[1])
-    table = "  ".join(f"L{lyr}H{hd}:{d:5.1f}" for (lyr, hd), d in drops.items())
-    return (
-        f"  log p(continuation) = {base:.2f} unablated\n"
-        f"  drop when zeroing one head's cached keys+values: {table}\n"
-        f"  the continuation relies most on layer {layer} head {head} "
-        f"(log-prob drops by {drop:.1f}); prefix bitwise unchanged: {unchanged}"
+    figure.set_size_inches(13, 8)
+    panels = [ax for ax in figure.axes if ax.get_label() != "<colorbar>"]
+    prev = tuple(found["previous_token_head"])
+    induction = {tuple(h) for h in found["induction_heads"]}
+    rows = [f"{kind} L{layer}" for kind in ("keys", "values") for layer in range(n_layers)]
+    for head, ax in enumerate(panels):
+        ax.set_yticks(range(len(rows)), labels=rows)
+        ax.set_ylabel("patched activation")
+        roles = [f"{_head(h)} induction" for h in sorted(induction) if h[1] == head]
+        roles += [f"{_head(prev)} previous-token"] if prev[1] == head else []
+        ax.set_title(f"head {head}" + (f": {', '.join(roles)}" if roles else ""), fontsize=9)
+    for offset, name in ((0, "keys"), (n_layers, "values")):
+        peak = peaks[name]
+        ax = panels[peak["head"]]
+        row = offset + peak["layer"]
+        ax.add_patch(
+            Rectangle((peak["position"] - 0.5, row - 0.5), 1, 1, fill=False, lw=2, ec="black")
+        )
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def _loss(scores: safelens.ContinuationScores) -> tuple[float, float]:
+    """Mean negative log-probability and mean probability of the scored tokens."""
+    log_probs = scores.log_probs[scores.mask]
+    return float(-log_probs.mean()), float(log_probs.exp().mean())
+
+
+def read_versus_write(
+    model: HookedTransformer, data: InductionData, found: dict[str, Any], out: Path
+) -> dict[str, Any]:
+    """Step 4: ablate the circuit's cached keys/values read-time and write-time."""
+    first_copy = list(range(1, SEGMENT + 1))
+    reference = safelens.prefill(model, data.references)
+    prev_layer, prev_head = found["previous_token_head"]
+    induction_heads = [head for _, head in found["induction_heads"]]
+    previous = safelens.Ablation(
+        "mean", layers=prev_layer, heads=prev_head, positions=first_copy, reference=reference
     )
+    induction = safelens.Ablation(
+        "mean",
+        layers=1,
+        heads=induction_heads,
+        positions=first_copy,
+        target="keys",
+        reference=reference,
+    )
+    edits = {
+        "none": lambda prefix: prefix,
+        "read_previous_token_head": lambda prefix: safelens.ablate_read(prefix, previous),
+        "write_previous_token_head": lambda prefix: safelens.ablate_write(model, prefix, previous),
+        "read_induction_keys": lambda prefix: safelens.ablate_read(prefix, induction),
+    }
+    log_probs: dict[str, list[torch.Tensor]] = {name: [] for name in edits}
+    reach = {name: torch.zeros(model.cfg.n_layers, data.prefixes.shape[1]) for name in edits}
+    unchanged = True
+    for tokens, continuation in zip(data.prefixes, data.continuations, strict=True):
+        prefix = safelens.prefill(model, tokens[None])
+        snapshot = [(e.keys.clone(), e.values.clone()) for e in prefix.cache]
+        for name, edit in edits.items():
+            edited = edit(prefix)
+            scores = safelens.score_continuations(model, edited, [continuation])
+            log_probs[name].append(scores.log_probs[0])
+            for layer, (entry, clean) in enumerate(zip(edited.cache, prefix.cache, strict=True)):
+                change = torch.cat([entry.keys - clean.keys, entry.values - clean.values], -1)
+                size = torch.cat([clean.keys, clean.values], -1)
+                reach[name][layer] += (change.norm(dim=(-2, -1)) / size.norm(dim=(-2, -1)))[0]
+        unchanged &= all(
+            torch.equal(e.keys, k) and torch.equal(e.values, v)
+            for e, (k, v) in zip(prefix.cache, snapshot, strict=True)
+        )
+    losses = {}
+    for name, rows in log_probs.items():
+        stacked = torch.stack(rows)
+        losses[name] = {"loss": float(-stacked.mean()), "p_correct": float(stacked.exp().mean())}
+    base = losses["none"]["loss"]
+    read_change = losses["read_previous_token_head"]["loss"] - base
+    write_change = losses["write_previous_token_head"]["loss"] - base
+    chance = math.log(VOCAB)
+    assert unchanged
+    # The continuation reads the previous-token head's output only through the induction
+    # heads' keys, computed in the prefix: editing its cache entries (read-time) cannot
+    # reach them, recomputing the prefix with the edit (write-time) does.
+    assert abs(read_change) < 0.05, losses
+    assert write_change > 0.3 and write_change > 10 * abs(read_change), losses
+    assert losses["read_induction_keys"]["loss"] > 0.5 * chance, losses
+    _plot_read_write(losses, reach, len(data.prefixes), found, out / "induction_read_write.png")
+    return {
+        "ablations": losses,
+        "chance_loss": chance,
+        "prefix_unchanged": unchanged,
+        "reach": {name: (r / len(data.prefixes)).tolist() for name, r in reach.items()},
+    }
 
 
-def compare(model: HookedTransformer, prefix_tokens: torch.Tensor, rest: torch.Tensor) -> str:
-    """(c) Several continuations of one frozen prefix, scored together; then generate."""
-    prefix = safelens.prefill(model, prefix_tokens)
+def _plot_read_write(
+    losses: dict[str, Any], reach: dict[str, torch.Tensor], n: int, found: dict, path: Path
+) -> None:
+    prev = _head(tuple(found["previous_token_head"]))
+    induction = ",".join(_head(tuple(h)) for h in found["induction_heads"])
+    titles = {
+        "read_previous_token_head": f"read-time: {prev} keys+values",
+        "write_previous_token_head": f"write-time: {prev} keys+values",
+        "read_induction_keys": f"read-time: {induction} keys",
+    }
+    figure = _figure(15, 4.2)
+    grid = figure.add_gridspec(1, 4, width_ratios=[1, 1, 1, 1.1])
+    limit = max(float(reach[name].max()) for name in titles) / n
+    for column, (name, title) in enumerate(titles.items()):
+        ax = figure.add_subplot(grid[0, column])
+        image = ax.imshow((reach[name] / n).numpy(), cmap="Reds", vmin=0, vmax=limit, aspect="auto")
+        ax.set_title(title, fontsize=9)
+        labels = _labels(KNOWN)
+        ax.set_xticks(range(len(labels)), labels=labels, rotation=90)
+        ax.set_yticks(range(reach[name].shape[0]), labels=["layer 0", "layer 1"])
+        ax.set_xlabel("prefix position")
+    figure.colorbar(image, ax=figure.axes, label="relative change of cached keys+values")
+    ax = figure.add_subplot(grid[0, 3])
+    names = ["none", *titles]
+    values = [losses[name]["loss"] for name in names]
+    ax.bar(range(len(names)), values, color=["grey", "tab:blue", "tab:red", "tab:purple"])
+    ax.axhline(math.log(VOCAB), color="black", ls="--", lw=1, label="chance (uniform)")
+    ax.set_xticks(
+        range(len(names)),
+        labels=[
+            "no ablation",
+            "read-time\nprev-token",
+            "write-time\nprev-token",
+            "read-time\ninduction keys",
+        ],
+        fontsize=8,
+    )
+    ax.set_ylabel("loss on the copied tokens (nats/token)")
+    ax.legend(fontsize=8)
+    figure.suptitle(
+        f"Mean-ablating the first copy's cached keys/values, {n} prefixes BOS + segment + "
+        f"its first {KNOWN} tokens: where the edit reaches in the prefix cache (left) and the "
+        "loss of the rest of the repeat (right)",
+        fontsize=10,
+    )
+    figure.savefig(path)
+
+
+def compare(model: HookedTransformer, data: InductionData) -> dict[str, Any]:
+    """Step 5: several continuations of one frozen prefix, scored together; then generate."""
+    tokens, rest = data.prefixes[:1], data.continuations[0]
+    prefix = safelens.prefill(model, tokens)
     shuffled = rest[torch.randperm(len(rest), generator=torch.Generator().manual_seed(0))]
     candidates = {
         "the repeat": rest,
@@ -172,54 +323,105 @@ def compare(model: HookedTransformer, prefix_tokens: torch.Tensor, rest: torch.T
         "the repeat, skipping a token": rest[1:],
     }
     scores = safelens.score_continuations(model, prefix, list(candidates.values()))
-    full = torch.cat([prefix_tokens[0], rest])[None]
     with torch.no_grad():
-        reference = model(full).log_softmax(-1)[0, prefix_tokens.shape[1] - 1 : -1]
-    expected = reference.gather(-1, rest[:, None]).sum().item()
-    lines = [
-        f"  {name:31}: log p = {score:7.2f}"
-        for name, score in zip(candidates, scores.sums.tolist(), strict=True)
-    ]
-    lines.append(
-        f"  (uncached full run of the repeat: {expected:.2f}; "
-        f"max abs difference {abs(expected - scores.sums[0].item()):.1e})"
-    )
+        reference = model(torch.cat([tokens[0], rest])[None]).log_softmax(-1)
+    expected = reference[0, tokens.shape[1] - 1 : -1].gather(-1, rest[:, None]).sum()
     generated = safelens.generate(model, prefix, len(rest))
+    return {
+        "log_probs": dict(zip(candidates, scores.sums.tolist(), strict=True)),
+        "uncached_log_prob": float(expected),
+        "max_abs_difference": abs(float(expected) - float(scores.sums[0])),
+        "generation_reproduces_repeat": bool(torch.equal(generated.tokens[0], rest)),
+    }
+
+
+def report(numbers: dict[str, Any]) -> str:
+    """The story, every number from `numbers`."""
+    heads, sweep, rw = numbers["heads"], numbers["patching"], numbers["read_write"]
+    prev = _head(tuple(heads["previous_token_head"]))
+    induction = ", ".join(_head(tuple(h)) for h in heads["induction_heads"])
+    keys, values = sweep["keys_peak"], sweep["values_peak"]
+    lines = [
+        f"1. trained a 2-layer attention-only model: {numbers['training']['steps']} steps, "
+        f"repeat accuracy {numbers['training']['accuracy']:.2f}",
+        "2. which heads are which? attention-pattern scores on repeated random segments",
+        *heads["table"],
+        f"  previous-token head: {prev}; induction heads (score >= {THRESHOLD}): {induction}",
+        "3. where is the mechanism? key/value patching sweeps (1 = clean log p(answer))",
+        "  clean: BOS s1..s10 s1..s9, answer s10; corrupted: the first copy's s9 replaced "
+        "by a token outside the segment,",
+        "  so the final s9 has no earlier match: the corruption changes where induction "
+        "looks, not what the source s10 holds",
+        f"  keys  : strongest at {_head((keys['layer'], keys['head']))}, position "
+        f"{keys['position']} (s10, the source; metric {keys['metric']:+.2f})",
+        f"  values: strongest at {_head((values['layer'], values['head']))}, position "
+        f"{values['position']} (s9, one before the source; metric {values['metric']:+.2f})",
+        f"  agreement: the key peak is induction head {_head((keys['layer'], keys['head']))} "
+        f"at the source, the value peak is the previous-token head {prev} one position "
+        "before it:",
+        "  layer 0's output at the source feeds layer 1's keys there (K-composition)",
+        "4. read-time vs write-time: mean-ablate the first copy's cached keys/values, score "
+        "the rest of the repeat",
+    ]
+    explained = {
+        "none": "no ablation",
+        "read_previous_token_head": f"read-time {prev} keys+values: the continuation reads "
+        "them only for its own layer-0 attention, which looks at its own previous token",
+        "write_previous_token_head": f"write-time {prev} keys+values: the prefix is recomputed, "
+        "so layer 1's keys at the first copy lose 'previous token' and induction cannot match",
+        "read_induction_keys": f"read-time {induction} keys: the induction heads cannot find "
+        "the source, the copy is gone",
+    }
+    for name, text in explained.items():
+        loss = rw["ablations"][name]
+        lines.append(
+            f"  loss {loss['loss']:5.2f} nats/token, p(correct) {loss['p_correct']:.2f}  {text}"
+        )
     lines.append(
-        f"  greedy generation from the frozen prefix reproduces the repeat: "
-        f"{torch.equal(generated.tokens[0], rest)}"
+        f"  (chance: {rw['chance_loss']:.2f} nats/token); prefix bitwise unchanged: "
+        f"{rw['prefix_unchanged']}"
+    )
+    continuation = numbers["continuations"]
+    lines.append("5. counterfactual continuations of one frozen prefix")
+    for name, value in continuation["log_probs"].items():
+        lines.append(f"  {name:31}: log p = {value:7.2f}")
+    lines.append(
+        f"  (uncached full run of the repeat: {continuation['uncached_log_prob']:.2f}; "
+        f"max abs difference {continuation['max_abs_difference']:.1e})"
+    )
+    lines.append(
+        "  greedy generation from the frozen prefix reproduces the repeat: "
+        f"{continuation['generation_reproduces_repeat']}"
     )
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("safelens-demo"), help="figure folder")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--out", type=Path, default=Path("safelens-demo"), help="figure folder")
+    where.add_argument("--docs", action="store_true", help=f"write the figures to {DOCS}")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    torch.manual_seed(args.seed)
-    args.out.mkdir(parents=True, exist_ok=True)
+    args = parser.parse_args(argv)
+    out = DOCS if args.docs else args.out
+    out.mkdir(parents=True, exist_ok=True)
 
-    model = build_model(args.seed)
-    steps, accuracy = train(model, args.seed)
-    model.eval()
-    print(
-        f"1. trained a 2-layer attention-only model: {steps} steps, repeat accuracy {accuracy:.2f}"
-    )
-
-    with torch.no_grad():
-        print("2a. where is the mechanism? key/value patching sweeps")
-        print(locate(model, args.seed, args.out))
-
-        generator = torch.Generator().manual_seed(args.seed + 3)
-        segment = torch.randperm(VOCAB, generator=generator)[:10] + 1
-        prefix_tokens = torch.cat([torch.tensor([BOS]), segment, segment[:3]])[None]
-        rest = segment[3:]
-        print("2b. which head's cached keys/values does the continuation read?")
-        print(ablate(model, prefix_tokens, rest))
-        print("2c. counterfactual continuations of one frozen prefix")
-        print(compare(model, prefix_tokens, rest))
-    print(f"figures written to {args.out.resolve()}")
+    with one_thread():
+        model, data, steps, accuracy = train_induction_model(args.seed)
+        assert accuracy >= 0.9, accuracy
+        numbers: dict[str, Any] = {"training": {"steps": steps, "accuracy": accuracy}}
+        numbers["heads"] = name_circuit(model, data, out)
+        numbers["patching"] = locate(model, data, numbers["heads"], out)
+        with torch.no_grad():
+            numbers["read_write"] = read_versus_write(model, data, numbers["heads"], out)
+            numbers["continuations"] = compare(model, data)
+    continuation = numbers["continuations"]
+    assert continuation["max_abs_difference"] <= 1e-4, continuation
+    assert continuation["generation_reproduces_repeat"], continuation
+    print(report(numbers))
+    (out / "induction_numbers.json").write_text(json.dumps(numbers, indent=1) + "\n")
+    print(f"figures and numbers written to {out.resolve()}")
+    return numbers
 
 
 if __name__ == "__main__":
