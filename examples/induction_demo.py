@@ -50,7 +50,7 @@ THRESHOLD = 0.5  # a head "is" a previous-token / induction head from this score
 def _figure(width: float, height: float) -> Any:
     from matplotlib.figure import Figure
 
-    return Figure(figsize=(width, height))
+    return Figure(figsize=(width, height), layout="constrained")
 
 
 def _labels(n_known: int) -> list[str]:
@@ -74,7 +74,7 @@ def name_circuit(model: HookedTransformer, data: InductionData, out: Path) -> di
     names = [f"blocks.{layer}.attn.hook_pattern" for layer in (0, 1)]
     with torch.no_grad():
         _, cache = model.run_with_cache(data.diagnostic, names_filter=names)
-    figure = _figure(10, 5.2)
+    figure = _figure(11, 6.2)
     for panel, (layer, head) in enumerate((prev_head, top_induction)):
         pattern = cache[names[layer]][:, head].mean(0)
         ax = figure.add_subplot(1, 2, panel + 1)
@@ -82,21 +82,19 @@ def name_circuit(model: HookedTransformer, data: InductionData, out: Path) -> di
         role = "previous-token head" if panel == 0 else "induction head"
         score = previous[layer, head] if panel == 0 else induction[layer, head]
         ax.set_title(f"{_head((layer, head))}, {role} (score {score:.2f})")
-        ticks = range(0, data.diagnostic.shape[1], 2)
-        labels = _labels(SEGMENT)
-        ax.set_xticks(ticks, labels=[labels[i] for i in ticks], rotation=90)
-        ax.set_yticks(ticks, labels=[labels[i] for i in ticks])
+        labels = [*_labels(0), *(f"{label}'" for label in _labels(0)[1:])]
+        ax.set_xticks(range(len(labels)), labels=labels, rotation=90, fontsize=7)
+        ax.set_yticks(range(len(labels)), labels=labels, fontsize=7)
         ax.set_xlabel("attended position (key)")
         ax.set_ylabel("attending position (query)")
         figure.colorbar(image, ax=ax, shrink=0.8, label="attention weight")
     figure.suptitle(
         f"Attention patterns, mean over {len(data.diagnostic)} sequences BOS + random "
-        f"{SEGMENT}-token segment + its repeat:\nthe previous-token head reads one position "
-        f"back; the induction head reads, from each repeated token, the token after its "
-        f"first occurrence ({SEGMENT - 1} back)",
+        f"{SEGMENT}-token segment s1..s{SEGMENT} + its repeat s1'..s{SEGMENT}':\nthe "
+        "previous-token head reads one position back; the induction head reads, from each "
+        f"repeated token,\nthe token after its first occurrence ({SEGMENT - 1} positions back)",
         fontsize=10,
     )
-    figure.tight_layout()
     figure.savefig(out / "induction_patterns.png")
     table = ["        " + "".join(f"  head {h}" for h in range(model.cfg.n_heads))]
     for name, scores in (("previous-token", previous), ("induction", induction)):
@@ -273,7 +271,7 @@ def _plot_read_write(
         "write_previous_token_head": f"write-time: {prev} keys+values",
         "read_induction_keys": f"read-time: {induction} keys",
     }
-    figure = _figure(15, 4.2)
+    figure = _figure(16, 5)
     grid = figure.add_gridspec(1, 4, width_ratios=[1, 1, 1, 1.1])
     limit = max(float(reach[name].max()) for name in titles) / n
     for column, (name, title) in enumerate(titles.items()):
@@ -282,7 +280,8 @@ def _plot_read_write(
         ax.set_title(title, fontsize=9)
         labels = _labels(KNOWN)
         ax.set_xticks(range(len(labels)), labels=labels, rotation=90)
-        ax.set_yticks(range(reach[name].shape[0]), labels=["layer 0", "layer 1"])
+        rows = ["layer 0", "layer 1"] if column == 0 else ["", ""]
+        ax.set_yticks(range(reach[name].shape[0]), labels=rows)
         ax.set_xlabel("prefix position")
     figure.colorbar(image, ax=figure.axes, label="relative change of cached keys+values")
     ax = figure.add_subplot(grid[0, 3])
@@ -304,8 +303,8 @@ def _plot_read_write(
     ax.legend(fontsize=8)
     figure.suptitle(
         f"Mean-ablating the first copy's cached keys/values, {n} prefixes BOS + segment + "
-        f"its first {KNOWN} tokens: where the edit reaches in the prefix cache (left) and the "
-        "loss of the rest of the repeat (right)",
+        f"its first {KNOWN} tokens:\nwhere the edit reaches in the prefix cache (left, mean "
+        "over prefixes) and the loss of the rest of the repeat (right)",
         fontsize=10,
     )
     figure.savefig(path)
