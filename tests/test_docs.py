@@ -163,3 +163,35 @@ def test_gallery_shows_every_example_script() -> None:
     scripts = sorted(p.name for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
     missing = [name for name in scripts if f"`{name}`" not in gallery]
     assert not missing, f"examples missing from docs/gallery.md: {missing}"
+
+
+def test_induction_story_quotes_the_published_numbers() -> None:
+    # The quickstart and the edits concept page quote the demonstration's numbers; they
+    # must be the ones it last published (examples/induction_demo.py --docs).
+    import json
+
+    numbers = json.loads((ROOT / "docs" / "figures" / "induction_numbers.json").read_text())
+    heads, sweep = numbers["heads"], numbers["patching"]
+    ablations = numbers["read_write"]["ablations"]
+
+    def head(layer_head: list[int]) -> str:
+        return f"L{layer_head[0]}H{layer_head[1]}"
+
+    quickstart = (ROOT / "docs" / "quickstart.md").read_text()
+    edits = (ROOT / "docs" / "concepts" / "edits.md").read_text()
+    expected_quickstart = [
+        f"trained for {numbers['training']['steps']} steps",
+        f"{head(heads['previous_token_head'])} is the previous-token head",
+        f"most at {head([sweep['keys_peak']['layer'], sweep['keys_peak']['head']])}",
+        f"({sweep['keys_peak']['metric']:.2f};",
+        f"at {head([sweep['values_peak']['layer'], sweep['values_peak']['head']])} on",
+        f"({sweep['values_peak']['metric']:.2f})",
+        f"raises it to {ablations['write_previous_token_head']['loss']:.2f}",
+        f"gives {ablations['read_induction_keys']['loss']:.2f}",
+        f"chance ({numbers['read_write']['chance_loss']:.2f})",
+    ]
+    missing = [text for text in expected_quickstart if text not in quickstart.replace("\n", " ")]
+    assert not missing, f"docs/quickstart.md does not quote {missing}"
+    for name, result in ablations.items():
+        rows = [f"| {result['loss']:.{d}f} | {result['p_correct']:.2f} |" for d in (2, 3)]
+        assert any(row in edits for row in rows), f"docs/concepts/edits.md lacks {rows} ({name})"
