@@ -8,6 +8,7 @@ checks that the shared read ran, so a silent fallback cannot pass it.
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from hf_models import CONFIGS, ids, model, run
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
+from transformers.models.gemma2 import modeling_gemma2
 
 import safelens.backends.hf._shared_attention as shared_module
 from safelens import CacheConfigError, prefill, score_continuations
@@ -36,6 +38,43 @@ def shared_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(shared_module, "_shared_read", counted)
     return calls
+
+
+# Booting any TransformerBridge with rotary attention replaces Gemma-2's module-level
+# `eager_attention_forward`, process-wide, by a `**kwargs` wrapper that fires the bridge's
+# hooks; `shared_prefix` cannot see that the wrapper applies soft-capping, so it falls
+# back to it (exactly; see `test_a_wrapped_eager_function_is_left_to_run`).
+_BRIDGE_WRAPPER = (
+    "transformer_lens.model_bridge.generalized_components.position_embeddings_attention"
+)
+
+
+@pytest.fixture(autouse=True)
+def _gemma2_eager_unwrapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma-2's own eager attention for each test, whichever bridges booted before it."""
+    original = getattr(sys.modules.get(_BRIDGE_WRAPPER), "_ORIGINAL_EAGER_ATTENTION_FORWARD", None)
+    if original is not None:
+        monkeypatch.setattr(modeling_gemma2, "eager_attention_forward", original)
+
+
+def test_a_wrapped_eager_function_is_left_to_run(monkeypatch, shared_reads):
+    """A wrapper that hides whether soft-capping is applied gets the call: exact, not shared."""
+    own = modeling_gemma2.eager_attention_forward
+    calls: list[int] = []
+
+    def wrapper(module, query, key, value, attention_mask, **kwargs):
+        calls.append(1)
+        return own(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setattr(modeling_gemma2, "eager_attention_forward", wrapper)
+    lm, prompt, rows, continuations, mask = case("gemma2")
+    with torch.no_grad():
+        expected = run(lm, continuations, rows, attention_mask=mask)
+    calls.clear()
+    with torch.no_grad(), shared_prefix(lm):
+        logits = run(lm, continuations, rows, attention_mask=mask)
+    assert shared_reads == [] and len(calls) == 2
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
 
 
 def case(name: str, dtype: torch.dtype = torch.float32, freeze: bool = True):
