@@ -23,16 +23,14 @@ through the bridge (unlike HookedTransformer's and HuggingFace models' safelens 
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterator
-from collections.abc import Sequence as Seq
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from ...core._errors import HookError
 from .._backend import FwdHooks, NamesFilter
 from ..hf._cache import HFKeyValueCache
-from ..hf._run import _pairs
+from ..hf._run import _pairs, split_names
 
 if TYPE_CHECKING:
     from ._backend import BridgeBackend
@@ -44,38 +42,14 @@ def _resolve(
     backend: BridgeBackend, names: NamesFilter, cache_only: bool = False
 ) -> tuple[list[str], list[str]]:
     """`(bridge_names, cache_names)` that `names` selects, or a `HookError` saying why not."""
-    cache_names = backend.cache_hook_names()
-    bridge_names = list(backend.model.hook_dict)
-    if callable(names):
-        chosen = [] if cache_only else [n for n in bridge_names if names(n)]
-        return chosen, [n for n in cache_names if names(n)]
-    listed = [names] if isinstance(names, str) else names
-    if not isinstance(listed, Seq) or not all(isinstance(n, str) for n in listed):
-        raise HookError(
-            "a hook name filter must be a name, a list of names or a function "
-            f"fn(name) -> bool, got {names!r}"
-        )
-    known_cache, known_bridge = set(cache_names), set(bridge_names)
-    chosen_bridge, chosen_cache = [], []
-    for name in listed:
-        if name in known_cache:
-            chosen_cache.append(name)
-        elif name in known_bridge and cache_only:
-            raise HookError(
-                f"{name!r} is a hook point of the bridge, not of the cache; capture it with "
-                "bridge.run_with_cache(..., names_filter=...)"
-            )
-        elif name in known_bridge:
-            chosen_bridge.append(name)
-        else:
-            close = difflib.get_close_matches(name, cache_names + bridge_names, n=5, cutoff=0.6)
-            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-            raise HookError(
-                f"unknown hook name {name!r}: neither a hook point of the bridge nor a cache "
-                f"hook point blocks.{{0..{backend.n_layers - 1}}}.kv_cache.{{hook_k_new, "
-                f"hook_v_new, hook_k_full, hook_v_full}}{hint}"
-            )
-    return chosen_bridge, chosen_cache
+    return split_names(
+        names,
+        list(backend.model.hook_dict),
+        backend.cache_hook_names(),
+        "a hook point of the bridge",
+        "capture it with bridge.run_with_cache(..., names_filter=...)",
+        cache_only,
+    )
 
 
 def select_cache_hooks(backend: BridgeBackend, names: NamesFilter) -> list[str]:

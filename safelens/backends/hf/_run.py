@@ -41,7 +41,14 @@ from ._cache import HFKeyValueCache
 if TYPE_CHECKING:
     from ._backend import HFBackend
 
-__all__ = ["ModuleHookPoint", "attach_hooks", "module_hooks", "run", "select_cache_hooks"]
+__all__ = [
+    "ModuleHookPoint",
+    "attach_hooks",
+    "module_hooks",
+    "run",
+    "select_cache_hooks",
+    "split_names",
+]
 
 _CACHE_NAME = re.compile(r"model\.layers\.(\d+)\.kv_cache\.hook_[kv]_(?:new|full)")
 # `run_with_hooks` arguments a HuggingFace forward has no counterpart for, with their defaults.
@@ -129,14 +136,25 @@ def _pairs(fwd_hooks: Any) -> list[tuple[NamesFilter, Any]]:
     return [(names, fn) for names, fn in pairs]
 
 
-def _resolve(
-    backend: HFBackend, names: NamesFilter, cache_only: bool = False
+def split_names(
+    names: NamesFilter,
+    model_names: list[str],
+    cache_names: list[str],
+    model_points: str,
+    cache_only_hint: str,
+    cache_only: bool = False,
 ) -> tuple[list[str], list[str]]:
-    """`(module_names, cache_names)` that `names` selects, or a `HookError` saying why not."""
-    cache_names = backend.cache_hook_names()
-    modules = [name for name, _ in backend.model.named_modules() if name]
+    """`(model_names, cache_names)` that the filter `names` selects.
+
+    `model_points` names what the model's names are (in errors); `cache_only_hint` says
+    how to capture a model name when only cache names are allowed (`cache_only`).
+
+    **Raises:** [`HookError`][safelens.HookError] for a filter that is neither a name, a
+    list of names nor a predicate; for an unknown name (with the closest known ones); for
+    a model name when `cache_only`.
+    """
     if callable(names):
-        chosen = [] if cache_only else [n for n in modules if names(n)]
+        chosen = [] if cache_only else [n for n in model_names if names(n)]
         return chosen, [n for n in cache_names if names(n)]
     listed = [names] if isinstance(names, str) else names
     if not isinstance(listed, Seq) or not all(isinstance(n, str) for n in listed):
@@ -144,27 +162,41 @@ def _resolve(
             "a hook name filter must be a name, a list of names or a function "
             f"fn(name) -> bool, got {names!r}"
         )
-    known_cache, known_modules = set(cache_names), set(modules)
-    chosen_modules, chosen_cache = [], []
+    known_cache, known_model = set(cache_names), set(model_names)
+    chosen_model, chosen_cache = [], []
     for name in listed:
         if name in known_cache:
             chosen_cache.append(name)
-        elif name in known_modules and cache_only:
+        elif name in known_model and cache_only:
             raise HookError(
-                f"{name!r} is a module of the model, not a cache hook point; capture it "
-                "with run_with_hooks and a hook that keeps what it sees"
+                f"{name!r} is {model_points}, not a cache hook point; {cache_only_hint}"
             )
-        elif name in known_modules:
-            chosen_modules.append(name)
+        elif name in known_model:
+            chosen_model.append(name)
         else:
-            close = difflib.get_close_matches(name, cache_names + modules, n=5, cutoff=0.6)
+            close = difflib.get_close_matches(name, cache_names + model_names, n=5, cutoff=0.6)
             hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            prefix = cache_names[0].split(".kv_cache.")[0].rsplit(".", 1)[0] if cache_names else ""
             raise HookError(
-                f"unknown hook name {name!r}: neither a module of the model nor a cache hook "
-                f"point model.layers.{{0..{backend.n_layers - 1}}}.kv_cache.{{hook_k_new, "
+                f"unknown hook name {name!r}: neither {model_points} nor a cache hook point "
+                f"{prefix}.{{0..{len(cache_names) // 4 - 1}}}.kv_cache.{{hook_k_new, "
                 f"hook_v_new, hook_k_full, hook_v_full}}{hint}"
             )
-    return chosen_modules, chosen_cache
+    return chosen_model, chosen_cache
+
+
+def _resolve(
+    backend: HFBackend, names: NamesFilter, cache_only: bool = False
+) -> tuple[list[str], list[str]]:
+    """`(module_names, cache_names)` that `names` selects, or a `HookError` saying why not."""
+    return split_names(
+        names,
+        [name for name, _ in backend.model.named_modules() if name],
+        backend.cache_hook_names(),
+        "a module of the model",
+        "capture it with run_with_hooks and a hook that keeps what it sees",
+        cache_only,
+    )
 
 
 def select_cache_hooks(backend: HFBackend, names: NamesFilter) -> list[str]:
