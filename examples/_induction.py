@@ -14,6 +14,14 @@ deterministically; the weights are kept per seed for the rest of the process, so
 second call (a test, a notebook) gets a fresh copy of the same model at no cost.
 `head_scores` gives the standard previous-token and induction scores of every head.
 
+`hf=True` trains the same circuit in a HuggingFace `LlamaForCausalLM` built from a
+`LlamaConfig` (same sizes, rotary on the whole head, no biases, eager attention so the
+attention weights can be read). Llama has no attention-only or norm-free setting, so
+each decoder layer's MLP is replaced by a zero module and its RMSNorms (and the final
+one) by identities: with them in place the model learns the task by another route,
+without a clean previous-token head. What still differs from the `HookedTransformer`:
+the initialisation, and that HF caches keys after rotary.
+
 Caveat: training is seeded and runs on one thread, so it repeats bit for bit on one
 machine, but the number of steps (and so the weights) can differ across CPUs or torch
 builds whose float reductions differ; the demonstration asserts on what it measures, not
@@ -29,6 +37,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import transformers
 from jaxtyping import Float, Int
 from tqdm import tqdm
 
@@ -80,10 +89,47 @@ class InductionData:
 class Trained(NamedTuple):
     """What `train_induction_model` returns."""
 
-    model: HookedTransformer
+    model: HookedTransformer | transformers.LlamaForCausalLM
     data: InductionData
     steps: int
     accuracy: float
+
+
+class _Zero(torch.nn.Module):
+    """Stands in for a Llama MLP: adds nothing to the residual stream."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+
+def build_hf_model(seed: int) -> transformers.LlamaForCausalLM:
+    """The untrained demonstration model as an attention-only HuggingFace Llama."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB + 1,
+        hidden_size=64,
+        intermediate_size=1,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        max_position_embeddings=2 * MAX_SEGMENT + 1,
+        initializer_range=0.1,
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        bos_token_id=BOS,
+        eos_token_id=None,
+        pad_token_id=None,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config)
+    for layer in model.model.layers:
+        layer.mlp = _Zero()
+        layer.input_layernorm = torch.nn.Identity()
+        layer.post_attention_layernorm = torch.nn.Identity()
+    model.model.norm = torch.nn.Identity()
+    return model
 
 
 def build_model(seed: int) -> HookedTransformer:
@@ -117,11 +163,29 @@ def repeated(segment: Int[torch.Tensor, "n length"]) -> Int[torch.Tensor, "n pos
     return torch.cat([bos, segment, segment], dim=1)
 
 
-def repeat_accuracy(model: HookedTransformer, tokens: Int[torch.Tensor, "n pos"]) -> float:
+def logits_of(model: torch.nn.Module, tokens: Int[torch.Tensor, "n pos"]) -> torch.Tensor:
+    """`[n, pos, d_vocab]` logits of a `HookedTransformer` or a HuggingFace causal LM."""
+    out = model(tokens)
+    return out if isinstance(model, HookedTransformer) else out.logits
+
+
+def attention_patterns(
+    model: torch.nn.Module, tokens: Int[torch.Tensor, "n pos"]
+) -> Float[torch.Tensor, "layer n head q k"]:
+    """Every head's attention pattern: TransformerLens' `hook_pattern`, HF's eager weights."""
+    with torch.no_grad():
+        if isinstance(model, HookedTransformer):
+            names = [f"blocks.{layer}.attn.hook_pattern" for layer in range(model.cfg.n_layers)]
+            _, cache = model.run_with_cache(tokens, names_filter=names)
+            return torch.stack([cache[name] for name in names])
+        return torch.stack(model(tokens, output_attentions=True).attentions)
+
+
+def repeat_accuracy(model: torch.nn.Module, tokens: Int[torch.Tensor, "n pos"]) -> float:
     """How often the model predicts the second copy's tokens after its first."""
     length = tokens.shape[1] // 2
     with torch.no_grad():
-        predicted = model(tokens)[:, length + 1 : -1].argmax(-1)
+        predicted = logits_of(model, tokens)[:, length + 1 : -1].argmax(-1)
     return (predicted == tokens[:, length + 2 :]).float().mean().item()
 
 
@@ -141,8 +205,14 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _train(model: HookedTransformer, seed: int, max_steps: int = 2000) -> tuple[int, float]:
-    """Train on repeats of random length until held-out accuracy reaches 0.99."""
+def _train(
+    model: torch.nn.Module, seed: int, min_steps: int = 0, max_steps: int = 2000
+) -> tuple[int, float]:
+    """Train on repeats of random length until held-out accuracy reaches 0.99.
+
+    Not before `min_steps`: the HuggingFace model trains all its steps, since at 0.99 its
+    previous-token role is often still shared by several layer-0 heads.
+    """
     generator = torch.Generator().manual_seed(seed)
     held_out = repeated(segments(256, SEGMENT, torch.Generator().manual_seed(seed + 1)))
     optimiser = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
@@ -151,7 +221,7 @@ def _train(model: HookedTransformer, seed: int, max_steps: int = 2000) -> tuple[
     for step in bar:
         length = int(torch.randint(4, MAX_SEGMENT + 1, (1,), generator=generator))
         tokens = repeated(torch.randint(1, VOCAB + 1, (32, length), generator=generator))
-        log_probs = model(tokens)[:, length + 1 : -1].log_softmax(-1)
+        log_probs = logits_of(model, tokens)[:, length + 1 : -1].log_softmax(-1)
         loss = -log_probs.gather(-1, tokens[:, length + 2 :, None]).mean()
         optimiser.zero_grad()
         loss.backward()
@@ -159,7 +229,7 @@ def _train(model: HookedTransformer, seed: int, max_steps: int = 2000) -> tuple[
         if step % 50 == 0:
             accuracy = repeat_accuracy(model, held_out)
             bar.set_postfix(loss=f"{loss.item():.3f}", accuracy=f"{accuracy:.2f}")
-            if accuracy >= 0.99:
+            if accuracy >= 0.99 and step >= min_steps:
                 break
     bar.close()
     return step, accuracy
@@ -192,33 +262,36 @@ def make_data(seed: int) -> InductionData:
     )
 
 
-_TRAINED: dict[int, tuple[dict[str, torch.Tensor], int, float]] = {}
+_TRAINED: dict[tuple[int, bool], tuple[dict[str, torch.Tensor], int, float]] = {}
 
 
-def train_induction_model(seed: int = 0) -> Trained:
+def train_induction_model(seed: int = 0, hf: bool = False) -> Trained:
     """Train the demonstration's model (or reuse this process's training) and its prompts.
 
     **Arguments:**
 
     - `seed`: seeds the weights, the training batches and the prompts.
+    - `hf`: train the attention-only HuggingFace Llama (`build_hf_model`) instead.
 
-    **Returns:** a `Trained`: a fresh `HookedTransformer` in eval mode (yours to edit),
-    the `InductionData`, the training steps taken and the held-out repeat accuracy.
+    **Returns:** a `Trained`: a fresh model in eval mode (yours to edit), the
+    `InductionData`, the training steps taken and the held-out repeat accuracy.
     """
-    if seed not in _TRAINED:
-        model = build_model(seed)
+    build = build_hf_model if hf else build_model
+    if (seed, hf) not in _TRAINED:
+        model = build(seed)
         with one_thread(), torch.enable_grad():
-            steps, accuracy = _train(model, seed)
-        _TRAINED[seed] = ({k: v.clone() for k, v in model.state_dict().items()}, steps, accuracy)
-    weights, steps, accuracy = _TRAINED[seed]
-    model = build_model(seed)
+            steps, accuracy = _train(model, seed, min_steps=2000 if hf else 0)
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        _TRAINED[seed, hf] = (weights, steps, accuracy)
+    weights, steps, accuracy = _TRAINED[seed, hf]
+    model = build(seed)
     model.load_state_dict(weights)
     model.eval()
     return Trained(model, make_data(seed), steps, accuracy)
 
 
 def head_scores(
-    model: HookedTransformer, tokens: Int[torch.Tensor, "n pos"]
+    model: torch.nn.Module, tokens: Int[torch.Tensor, "n pos"]
 ) -> tuple[Float[torch.Tensor, "layer head"], Float[torch.Tensor, "layer head"]]:
     """Previous-token and induction scores of every head, from its attention pattern.
 
@@ -228,10 +301,7 @@ def head_scores(
     occurrence (offset `L - 1` back). Both are 1 for a perfect head.
     """
     length = tokens.shape[1] // 2
-    names = [f"blocks.{layer}.attn.hook_pattern" for layer in range(model.cfg.n_layers)]
-    with torch.no_grad():
-        _, cache = model.run_with_cache(tokens, names_filter=names)
-    patterns = torch.stack([cache[name] for name in names])  # layer batch head q k
+    patterns = attention_patterns(model, tokens)
     previous = patterns.diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=(1, -1))
     induction = patterns.diagonal(offset=1 - length, dim1=-2, dim2=-1)[..., 2:]
     return previous, induction.mean(dim=(1, -1))

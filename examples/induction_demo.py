@@ -16,7 +16,14 @@ Every sentence printed is computed in this run and asserted here; every number g
 `induction_numbers.json` next to the figures (`tests/test_examples.py` recomputes them
 with TransformerLens alone).
 
-Run: python examples/induction_demo.py [--out DIR | --docs] [--seed N]
+`--hf` tells the same story on a HuggingFace `LlamaForCausalLM` trained on the same data
+(attention-only, see `examples/_induction.py`), through safelens' HuggingFace backend:
+head scores from HF's own attention weights, the sweeps from
+`run_with_patching_cache`, and the same ablations, continuations and generation
+(`tests/test_examples.py` checks them against HF alone). Its files are named
+`induction_hf_*`.
+
+Run: python examples/induction_demo.py [--out DIR | --docs] [--seed N] [--hf]
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ from _induction import (
     VOCAB,
     AnswerLogProb,
     InductionData,
+    attention_patterns,
     head_scores,
+    logits_of,
     one_thread,
     train_induction_model,
 )
@@ -59,24 +68,42 @@ def _labels(n_known: int) -> list[str]:
     return ["BOS", *first, *first[:n_known]]
 
 
+class _Prefixed:
+    """A folder whose files share a stem: `_Prefixed(out, "induction_") / "x.png"`."""
+
+    def __init__(self, folder: Path, stem: str) -> None:
+        self.folder, self.stem = folder, stem
+
+    def __truediv__(self, name: str) -> Path:
+        return self.folder / f"{self.stem}{name}"
+
+
 def _head(layer_head: tuple[int, int]) -> str:
     return f"L{layer_head[0]}H{layer_head[1]}"
 
 
-def name_circuit(model: HookedTransformer, data: InductionData, out: Path) -> dict[str, Any]:
+def _cached(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's cached keys and values, position-major `[batch, pos, heads, d_head]`."""
+    if isinstance(cache, safelens.HFKeyValueCache):  # HF stores head-major
+        return [
+            (layer.keys.transpose(1, 2), layer.values.transpose(1, 2)) for layer in cache.layers
+        ]
+    return [(entry.keys, entry.values) for entry in cache]
+
+
+def name_circuit(model: torch.nn.Module, data: InductionData, out: _Prefixed) -> dict[str, Any]:
     """Step 2: previous-token and induction scores of every head; the two heads' patterns."""
     previous, induction = head_scores(model, data.diagnostic)
-    prev_head = divmod(int(previous.argmax()), model.cfg.n_heads)
+    n_layers, n_heads = previous.shape
+    prev_head = divmod(int(previous.argmax()), n_heads)
     induction_heads = [(layer, head) for layer, head in (induction >= THRESHOLD).nonzero().tolist()]
-    top_induction = divmod(int(induction.argmax()), model.cfg.n_heads)
+    top_induction = divmod(int(induction.argmax()), n_heads)
     assert previous[prev_head] >= THRESHOLD and prev_head[0] == 0, previous
     assert induction_heads and all(layer == 1 for layer, _ in induction_heads), induction
-    names = [f"blocks.{layer}.attn.hook_pattern" for layer in (0, 1)]
-    with torch.no_grad():
-        _, cache = model.run_with_cache(data.diagnostic, names_filter=names)
+    patterns = attention_patterns(model, data.diagnostic)
     figure = _figure(11, 6.2)
     for panel, (layer, head) in enumerate((prev_head, top_induction)):
-        pattern = cache[names[layer]][:, head].mean(0)
+        pattern = patterns[layer][:, head].mean(0)
         ax = figure.add_subplot(1, 2, panel + 1)
         image = ax.imshow(pattern.numpy(), cmap="Blues", vmin=0, vmax=1)
         role = "previous-token head" if panel == 0 else "induction head"
@@ -95,10 +122,10 @@ def name_circuit(model: HookedTransformer, data: InductionData, out: Path) -> di
         f"repeated token,\nthe token after its first occurrence ({SEGMENT - 1} positions back)",
         fontsize=10,
     )
-    figure.savefig(out / "induction_patterns.png")
-    table = ["        " + "".join(f"  head {h}" for h in range(model.cfg.n_heads))]
+    figure.savefig(out / "patterns.png")
+    table = ["        " + "".join(f"  head {h}" for h in range(n_heads))]
     for name, scores in (("previous-token", previous), ("induction", induction)):
-        for layer in range(model.cfg.n_layers):
+        for layer in range(n_layers):
             row = "".join(f"{float(s):8.2f}" for s in scores[layer])
             table.append(f"  {name:>14} L{layer}{row}")
     return {
@@ -112,12 +139,15 @@ def name_circuit(model: HookedTransformer, data: InductionData, out: Path) -> di
 
 
 def locate(
-    model: HookedTransformer, data: InductionData, found: dict[str, Any], out: Path
+    model: torch.nn.Module, data: InductionData, found: dict[str, Any], out: _Prefixed
 ) -> dict[str, Any]:
     """Step 3: key/value patching sweeps from the clean into the corrupted prompts."""
     with torch.no_grad():
-        clean_logits, clean_cache = model.run_with_cache(data.clean)
-        corrupted_logits = model(data.corrupted)
+        if isinstance(model, HookedTransformer):
+            clean_logits, clean_cache = model.run_with_cache(data.clean)
+        else:
+            clean_logits, clean_cache = safelens.run_with_patching_cache(model, data.clean)
+        corrupted_logits = logits_of(model, data.corrupted)
     metric = AnswerLogProb(clean_logits, corrupted_logits, data.answers)
     sweeps = {}
     peaks = {}
@@ -139,7 +169,7 @@ def locate(
     assert keys["position"] == SOURCE, peaks
     assert [values["layer"], values["head"]] == found["previous_token_head"], peaks
     assert values["position"] == SOURCE - 1, peaks
-    _plot_sweeps(sweeps, peaks, found, out / "induction_kv_patching.png")
+    _plot_sweeps(sweeps, peaks, found, out / "kv_patching.png")
     return {
         "clean_log_prob": float(metric.clean),
         "corrupted_log_prob": float(metric.corrupted),
@@ -195,7 +225,7 @@ def _loss(scores: safelens.ContinuationScores) -> tuple[float, float]:
 
 
 def read_versus_write(
-    model: HookedTransformer, data: InductionData, found: dict[str, Any], out: Path
+    model: torch.nn.Module, data: InductionData, found: dict[str, Any], out: _Prefixed
 ) -> dict[str, Any]:
     """Step 4: ablate the circuit's cached keys/values read-time and write-time."""
     first_copy = list(range(1, SEGMENT + 1))
@@ -220,22 +250,24 @@ def read_versus_write(
         "read_induction_keys": lambda prefix: safelens.ablate_read(prefix, induction),
     }
     log_probs: dict[str, list[torch.Tensor]] = {name: [] for name in edits}
-    reach = {name: torch.zeros(model.cfg.n_layers, data.prefixes.shape[1]) for name in edits}
+    n_layers = len(found["previous_token_scores"])
+    reach = {name: torch.zeros(n_layers, data.prefixes.shape[1]) for name in edits}
     unchanged = True
     for tokens, continuation in zip(data.prefixes, data.continuations, strict=True):
         prefix = safelens.prefill(model, tokens[None])
-        snapshot = [(e.keys.clone(), e.values.clone()) for e in prefix.cache]
+        snapshot = [(k.clone(), v.clone()) for k, v in _cached(prefix.cache)]
         for name, edit in edits.items():
             edited = edit(prefix)
             scores = safelens.score_continuations(model, edited, [continuation])
             log_probs[name].append(scores.log_probs[0])
-            for layer, (entry, clean) in enumerate(zip(edited.cache, prefix.cache, strict=True)):
-                change = torch.cat([entry.keys - clean.keys, entry.values - clean.values], -1)
-                size = torch.cat([clean.keys, clean.values], -1)
+            pairs = zip(_cached(edited.cache), _cached(prefix.cache), strict=True)
+            for layer, ((keys, values), (clean_k, clean_v)) in enumerate(pairs):
+                change = torch.cat([keys - clean_k, values - clean_v], -1)
+                size = torch.cat([clean_k, clean_v], -1)
                 reach[name][layer] += (change.norm(dim=(-2, -1)) / size.norm(dim=(-2, -1)))[0]
         unchanged &= all(
-            torch.equal(e.keys, k) and torch.equal(e.values, v)
-            for e, (k, v) in zip(prefix.cache, snapshot, strict=True)
+            torch.equal(k, k0) and torch.equal(v, v0)
+            for (k, v), (k0, v0) in zip(_cached(prefix.cache), snapshot, strict=True)
         )
     losses = {}
     for name, rows in log_probs.items():
@@ -252,7 +284,7 @@ def read_versus_write(
     assert abs(read_change) < 0.05, losses
     assert write_change > 0.3 and write_change > 10 * abs(read_change), losses
     assert losses["read_induction_keys"]["loss"] > 0.5 * chance, losses
-    _plot_read_write(losses, reach, len(data.prefixes), found, out / "induction_read_write.png")
+    _plot_read_write(losses, reach, len(data.prefixes), found, out / "read_write.png")
     return {
         "ablations": losses,
         "chance_loss": chance,
@@ -310,7 +342,7 @@ def _plot_read_write(
     figure.savefig(path)
 
 
-def compare(model: HookedTransformer, data: InductionData) -> dict[str, Any]:
+def compare(model: torch.nn.Module, data: InductionData) -> dict[str, Any]:
     """Step 5: several continuations of one frozen prefix, scored together; then generate."""
     tokens, rest = data.prefixes[:1], data.continuations[0]
     prefix = safelens.prefill(model, tokens)
@@ -323,7 +355,7 @@ def compare(model: HookedTransformer, data: InductionData) -> dict[str, Any]:
     }
     scores = safelens.score_continuations(model, prefix, list(candidates.values()))
     with torch.no_grad():
-        reference = model(torch.cat([tokens[0], rest])[None]).log_softmax(-1)
+        reference = logits_of(model, torch.cat([tokens[0], rest])[None]).log_softmax(-1)
     expected = reference[0, tokens.shape[1] - 1 : -1].gather(-1, rest[:, None]).sum()
     generated = safelens.generate(model, prefix, len(rest))
     return {
@@ -341,7 +373,8 @@ def report(numbers: dict[str, Any]) -> str:
     induction = ", ".join(_head(tuple(h)) for h in heads["induction_heads"])
     keys, values = sweep["keys_peak"], sweep["values_peak"]
     lines = [
-        f"1. trained a 2-layer attention-only model: {numbers['training']['steps']} steps, "
+        f"1. trained a 2-layer attention-only {numbers['training']['model']}: "
+        f"{numbers['training']['steps']} steps, "
         f"repeat accuracy {numbers['training']['accuracy']:.2f}",
         "2. which heads are which? attention-pattern scores on repeated random segments",
         *heads["table"],
@@ -401,24 +434,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     where.add_argument("--out", type=Path, default=Path("safelens-demo"), help="figure folder")
     where.add_argument("--docs", action="store_true", help=f"write the figures to {DOCS}")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--hf", action="store_true", help="use an attention-only HuggingFace Llama instead"
+    )
     args = parser.parse_args(argv)
     out = DOCS if args.docs else args.out
     out.mkdir(parents=True, exist_ok=True)
+    stem = "induction_hf_" if args.hf else "induction_"
 
     with one_thread():
-        model, data, steps, accuracy = train_induction_model(args.seed)
+        model, data, steps, accuracy = train_induction_model(args.seed, hf=args.hf)
         assert accuracy >= 0.9, accuracy
-        numbers: dict[str, Any] = {"training": {"steps": steps, "accuracy": accuracy}}
-        numbers["heads"] = name_circuit(model, data, out)
-        numbers["patching"] = locate(model, data, numbers["heads"], out)
+        kind = "HuggingFace Llama" if args.hf else "model"
+        numbers: dict[str, Any] = {
+            "training": {"model": kind, "steps": steps, "accuracy": accuracy}
+        }
+        files = _Prefixed(out, stem)
+        numbers["heads"] = name_circuit(model, data, files)
+        numbers["patching"] = locate(model, data, numbers["heads"], files)
         with torch.no_grad():
-            numbers["read_write"] = read_versus_write(model, data, numbers["heads"], out)
+            numbers["read_write"] = read_versus_write(model, data, numbers["heads"], files)
             numbers["continuations"] = compare(model, data)
     continuation = numbers["continuations"]
     assert continuation["max_abs_difference"] <= 1e-4, continuation
     assert continuation["generation_reproduces_repeat"], continuation
     print(report(numbers))
-    (out / "induction_numbers.json").write_text(json.dumps(numbers, indent=1) + "\n")
+    (files / "numbers.json").write_text(json.dumps(numbers, indent=1) + "\n")
     print(f"figures and numbers written to {out.resolve()}")
     return numbers
 
