@@ -43,7 +43,7 @@ def _index(indices: Indices, size: int, what: str, name: str) -> torch.Tensor:
 
 
 def run_with_cache_capture(
-    model: Any,
+    model: torch.nn.Module,
     input: Any,
     *,
     cache: Any,

@@ -131,7 +131,7 @@ def _progress(items: list[range], progress: bool | None, what: str) -> Any:
 
 
 def score_continuations(
-    model: Any,
+    model: torch.nn.Module,
     prefix: Prefix,
     continuations: Sequence[Int[torch.Tensor, " new_tokens"] | list[int]]
     | Int[torch.Tensor, "n new_tokens"],

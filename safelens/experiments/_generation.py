@@ -145,7 +145,7 @@ def _token_ids(values: Any, d_vocab: int, name: str) -> torch.Tensor:
 
 
 def generate(
-    model: Any,
+    model: torch.nn.Module,
     prefix: Prefix,
     max_new_tokens: int,
     n_samples: int = 1,

@@ -222,7 +222,7 @@ def _prefix_mask(backend: Backend, tokens: torch.Tensor, attention_mask: Any) ->
 
 
 def prefill(
-    model: Any,
+    model: torch.nn.Module,
     tokens_or_text: Int[torch.Tensor, "batch pos"] | str | list[str] | list[int],
     attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
     keep_residuals: bool = True,

@@ -34,7 +34,7 @@ __all__ = ["run_with_hooks"]
 
 
 def run_with_hooks(
-    model: Any,
+    model: torch.nn.Module,
     input: Any,
     *,
     cache: Any,

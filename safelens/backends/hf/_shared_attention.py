@@ -352,7 +352,7 @@ def _release(held: list[_Switched]) -> None:
 
 
 @contextmanager
-def shared_prefix(model: Any) -> Iterator[None]:
+def shared_prefix(model: torch.nn.Module) -> Iterator[None]:
     """Within the block, `model`'s attention reads a prefix broadcast to every row once.
 
     Use it around forward passes on an [`HFKeyValueCache`][safelens.HFKeyValueCache]

@@ -225,7 +225,7 @@ class _SharedReader:
 
 
 @contextmanager
-def shared_prefix_attention(model: Any) -> Iterator[None]:
+def shared_prefix_attention(model: torch.nn.Module) -> Iterator[None]:
     """Within the block, `model`'s attention reads broadcast prefixes once per layer.
 
     Use it around forward passes on a frozen cache expanded from one prefix
