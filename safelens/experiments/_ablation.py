@@ -136,7 +136,9 @@ def _backend(model: Any, prefix: Prefix, edits: list[_Edit]) -> Backend:
     return backend
 
 
-def ablate_write(model: torch.nn.Module, prefix: Prefix, ablations: Ablation | Sequence[Ablation]) -> Prefix:
+def ablate_write(
+    model: torch.nn.Module, prefix: Prefix, ablations: Ablation | Sequence[Ablation]
+) -> Prefix:
     """Write-time ablation: the prefix recomputed with the edit in its keys/values.
 
     On a `HookedTransformer` the edit is applied at `blocks.{l}.attn.hook_k` / `hook_v`
