@@ -222,7 +222,12 @@ def generate(
             f"generate at most {n_ctx - prefix.length} new tokens, or shorten the prefix"
         )
     rows = prefix.batch_size * n_samples
-    if prefix.batch_size == 1:
+    if rows == 1:
+        # One row gets the prefix copied once into a buffer of its own that later tokens
+        # extend in place; a branch sharing the prefix would join it to the new tokens at
+        # every step, a copy of the whole sequence per layer per token.
+        branch = prefix.cache.select([0])
+    elif prefix.batch_size == 1:
         branch = prefix.cache.expand(rows)
     elif n_samples == 1:
         branch = prefix.cache.fork()
