@@ -12,15 +12,12 @@ positions for.
 from __future__ import annotations
 
 import argparse
-import time
 
-import pandas as pd
 import torch
-import transformer_lens.patching as tl_patching
 
 import safelens
 
-from ._common import Row, best_time, rotary_model
+from ._common import Row, rotary_model, time_grid
 
 TARGET = "≥10× faster than TransformerLens' patching functions, max abs difference ≤1e-4"
 GRIDS = {"k": "k", "v": "v", "q": "q", "z": "out"}
@@ -43,44 +40,8 @@ def _compare(
     if not declared:
         metric = _undeclared(metric)
     name = f"get_act_patch_attn_head_{GRIDS[activation]}_by_pos"
-    with torch.no_grad():
-        sweep = getattr(safelens, name)
-        ours = sweep(model, corrupted, clean_cache, metric, progress=False)
-        repeats = 2 if length <= 64 else 1
-        ours_s = best_time(
-            lambda: sweep(model, corrupted, clean_cache, metric, progress=False),
-            repeats=repeats,
-            warmup=0,
-        )
-        total = ours.numel()
-        step = max(1, -(-total // max_patches))
-        flat = torch.arange(0, total, step)
-        # TransformerLens runs the sample in two halves and its faster per-patch rate counts,
-        # as safelens' best of repeated runs does: a load spike in one half is not charged.
-        theirs_parts, per_patch = [], float("inf")
-        for half in flat.tensor_split(2 if len(flat) > 1 else 1):
-            index = torch.stack(torch.unravel_index(half, ours.shape), dim=1)
-            index_df = pd.DataFrame(index.tolist(), columns=["layer", "pos", "head"])
-            start = time.perf_counter()
-            theirs_parts.append(
-                tl_patching.generic_activation_patch(
-                    model,
-                    corrupted,
-                    clean_cache,
-                    metric,
-                    tl_patching.layer_pos_head_vector_patch_setter,
-                    activation,
-                    index_df=index_df,
-                )
-            )
-            per_patch = min(per_patch, (time.perf_counter() - start) / len(half))
-        theirs = torch.cat(theirs_parts)
-        theirs_s = per_patch * total
-    diff = float((ours.reshape(-1)[flat] - theirs).abs().max())
-    note = f"max abs diff {diff:.1e}"
-    if len(flat) < total:
-        note += f"; TL timed on {len(flat)} of {total} patches, extrapolated"
-    return ours_s, theirs_s, diff <= 1e-4, note
+    repeats = 2 if length <= 64 else 1
+    return time_grid(model, name, activation, corrupted, clean_cache, metric, max_patches, repeats)
 
 
 def _undeclared(metric):

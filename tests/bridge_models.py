@@ -24,9 +24,9 @@ from transformer_lens.model_bridge import TransformerBridge
 FAMILIES = ("llama", "gpt2")
 
 
-def _hf_model(name: str) -> torch.nn.Module:
+def _hf_model(name: str, layers: int = 2) -> torch.nn.Module:
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+    return transformers.AutoModelForCausalLM.from_config(CONFIGS[name](layers)).eval()
 
 
 @functools.cache
@@ -45,10 +45,12 @@ def _tokenizer() -> transformers.PreTrainedTokenizerFast:
 
 
 @functools.cache
-def bridge(name: str = "llama") -> TransformerBridge:
+def bridge(name: str = "llama", layers: int = 2) -> TransformerBridge:
     """A TransformerBridge over a tiny random-weight HF model of family `name`; cached."""
     with tempfile.TemporaryDirectory() as folder:
         _tokenizer().save_pretrained(folder)
-        booted = TransformerBridge.boot_transformers(folder, hf_model=_hf_model(name), device="cpu")
+        booted = TransformerBridge.boot_transformers(
+            folder, hf_model=_hf_model(name, layers), device="cpu"
+        )
     booted.eval()
     return booted

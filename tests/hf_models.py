@@ -15,19 +15,25 @@ import transformers
 from safelens.backends.hf._model import hf_cache_argument
 
 VOCAB = 50
-SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+SIZES = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4)
 SPECIAL = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=None, pad_token_id=None)
+# family -> config(number of layers), two layers unless asked
 CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(**SIZES, **SPECIAL, num_key_value_heads=2),
-    "gpt2": lambda: transformers.GPT2Config(
-        n_embd=32, n_layer=2, n_head=4, n_positions=64, **SPECIAL
+    "llama": lambda layers=2: transformers.LlamaConfig(
+        **SIZES, num_hidden_layers=layers, **SPECIAL, num_key_value_heads=2
     ),
-    "qwen2": lambda: transformers.Qwen2Config(**SIZES, **SPECIAL, num_key_value_heads=2),
-    "mistral": lambda: transformers.MistralConfig(
-        **SIZES, **SPECIAL, num_key_value_heads=2, sliding_window=4
+    "gpt2": lambda layers=2: transformers.GPT2Config(
+        n_embd=32, n_layer=layers, n_head=4, n_positions=64, **SPECIAL
     ),
-    "gemma2": lambda: transformers.Gemma2Config(
+    "qwen2": lambda layers=2: transformers.Qwen2Config(
+        **SIZES, num_hidden_layers=layers, **SPECIAL, num_key_value_heads=2
+    ),
+    "mistral": lambda layers=2: transformers.MistralConfig(
+        **SIZES, num_hidden_layers=layers, **SPECIAL, num_key_value_heads=2, sliding_window=4
+    ),
+    "gemma2": lambda layers=2: transformers.Gemma2Config(
         **SIZES,
+        num_hidden_layers=layers,
         **SPECIAL,
         num_key_value_heads=2,
         head_dim=8,
@@ -36,15 +42,19 @@ CONFIGS = {
         attn_logit_softcapping=20.0,
         final_logit_softcapping=10.0,
     ),
-    "phi3": lambda: transformers.Phi3Config(**SIZES, **SPECIAL, num_key_value_heads=2),
+    "phi3": lambda layers=2: transformers.Phi3Config(
+        **SIZES, num_hidden_layers=layers, **SPECIAL, num_key_value_heads=2
+    ),
 }
 
 
 @functools.cache
-def model(name: str = "llama", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def model(
+    name: str = "llama", dtype: torch.dtype = torch.float32, layers: int = 2
+) -> torch.nn.Module:
     """A tiny random-weight causal LM; cached, so tests must leave its hooks as found."""
     torch.manual_seed(0)
-    built = transformers.AutoModelForCausalLM.from_config(CONFIGS[name]())
+    built = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](layers))
     return built.to(dtype).eval()
 
 

@@ -145,9 +145,10 @@ def test_bridge_sweep_batches_patches_and_leaves_no_hooks():
         )
     finally:
         handle.remove()
-    # 2 layers * 6 positions * 2 heads = 24 patches: one corrupted pass and one pass per
-    # group of 4 positions (0-3, 4-5), not one per patch.
-    assert len(passes) == 3
+    # 2 layers * 6 positions * 2 heads = 24 patches: one corrupted pass, two passes that
+    # check the layer-skipping shortcut, and one pass per layer (each starting at its
+    # layer; on a model this small one pass covers every position), not one per patch.
+    assert len(passes) == 5
     assert all(not point._forward_hooks for point in lm.hook_dict.values())
 
 
@@ -158,14 +159,23 @@ def _layers(lm):
     return lm.transformer.h if hasattr(lm, "transformer") else lm.model.layers
 
 
+def _d_head(lm) -> int:
+    config = lm.config
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def _keys_values(lm, layer: int, activation: str):
-    """(module, columns of its output) holding `activation` of every key/value head, pre-rotary."""
+    """(module, first column of its output) holding `activation` of every key/value head, pre-rotary."""
     block = _layers(lm)[layer]
     if hasattr(block, "attn"):  # GPT-2: c_attn gives [q | k | v]
         d_model = lm.config.n_embd
-        offset = d_model if activation == "k" else 2 * d_model
-        return block.attn.c_attn, offset
+        return block.attn.c_attn, d_model if activation == "k" else 2 * d_model
     attn = block.self_attn
+    if hasattr(attn, "qkv_proj"):  # Phi-3: qkv_proj gives [q | k | v], k and v of KV heads
+        config = lm.config
+        queries = config.num_attention_heads * _d_head(lm)
+        keys = config.num_key_value_heads * _d_head(lm)
+        return attn.qkv_proj, queries if activation == "k" else queries + keys
     return (attn.k_proj if activation == "k" else attn.v_proj), 0
 
 
@@ -174,8 +184,7 @@ def _site(lm, activation: str, layer: int):
     block = _layers(lm)[layer]
     if activation in ("k", "v"):
         module, offset = _keys_values(lm, layer, activation)
-        d_head = lm.config.n_embd // lm.config.n_head if offset else lm.config.head_dim
-        return module, False, d_head, offset
+        return module, False, _d_head(lm), offset
     if activation == "resid_pre":
         return block, True, 0, 0
     child = {"attn_out": ("self_attn", "attn"), "mlp_out": ("mlp",)}[activation]

@@ -30,6 +30,7 @@ any norm a family applies on the way back into the residual stream (Gemma-2's
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -151,12 +152,19 @@ def residual_input(
 ) -> Iterator[None]:
     """Within the block, `hooks[layer](hidden_states)` sees (and may replace) layer `layer`'s input.
 
-    Plain PyTorch forward pre-hooks, removed by their handles on exit (also on error).
+    Plain PyTorch forward pre-hooks that act in the calling thread's passes only,
+    removed by their handles on exit (also on error).
     """
+    if not hooks:
+        yield
+        return
     _, layers = _decoder_layers(backend.model, backend.n_layers)
+    me = threading.get_ident()
 
     def pre_hook(edit: Callable[[torch.Tensor], torch.Tensor | None]) -> Any:
         def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if threading.get_ident() != me:
+                return None
             hidden = args[0] if args else kwargs["hidden_states"]
             result = edit(hidden)
             if result is None:

@@ -4,23 +4,26 @@ The `get_act_patch_*` sweeps dispatch here for a model that is not a
 `HookedTransformer` ([`backend_of`][safelens.backends._backend.backend_of]): a
 TransformerBridge or a plain HuggingFace causal LM. Where each sweep patches, and what
 the clean cache is, is `safelens.patching._hf_sites`' table. The corrupted prompt runs
-once into a frozen [`HFKeyValueCache`][safelens.HFKeyValueCache]. A patch at position
-`p` changes nothing before `p` in a causal model, so the patched runs are grouped by
-`p` (rounded down to a multiple of 4); each group's runs are stacked along the batch,
+once into a frozen [`HFKeyValueCache`][safelens.HFKeyValueCache]. A patch at layer `l`,
+position `p` changes nothing before `l` or before `p` in a causal model, so the patched
+runs are grouped by layer and by `p` rounded down to a multiple of a span (chosen per
+layer by a cost model, `_passes`); each group's runs are stacked along the batch,
 `batch` rows per run, and run only positions `p:` through the model, on forks of the
 corrupted cache cropped to `p` and broadcast to every row (`cropped(p).expand(rows)`,
 read once per layer under [`shared_prefix`][safelens.shared_prefix] on HuggingFace
-models). The logits of positions `< p` are the corrupted run's.
+models), starting at layer `l` with the corrupted run's residual stream, and, for a
+metric that reads only the last position, unembedding that position alone
+(`safelens.patching._hf_shortcuts`, which checks once per sweep that both shortcuts hold
+on the model). The logits of positions `< p` are the corrupted run's.
 
 Positions and padding, as the reference does: on a bridge, every position is attended
 with positions `0…pos-1`, as `bridge(tokens)` does for a tensor of tokens; on a
 HuggingFace model, the mask comes from `model.tokenizer` (left padding) when it has a
 pad token, and positions from the mask, as `generate` gives them.
 
-Caveat: every patched run runs every layer (a HuggingFace model cannot start at a
-layer), so a sweep reuses positions, not layers; the memory budget bounds the rows of
-one pass. Hooks on a bridge's own hook points act on every thread's passes while a
-sweep runs (TransformerLens' bookkeeping).
+Caveat: the memory budget bounds the rows of one pass. Hooks on a bridge's own hook
+points act on every thread's passes while a sweep runs (TransformerLens' bookkeeping);
+everything else a sweep attaches acts on its own thread only.
 """
 
 from __future__ import annotations
@@ -34,14 +37,18 @@ from tqdm import tqdm
 
 from ..backends._backend import Backend, backend_of
 from ..core._errors import PatchingError
+from ._hf_shortcuts import Shortcuts, captured
 from ._hf_sites import Site, _tokens, residual_input, site_of
 from ._limits import _check_limits
 from ._metric import Metric, _Metric
 
 __all__ = ["is_seam_model", "seam_patch"]
 
-# Runs patched at positions `p0 … p0 + _SPAN - 1` share one pass that starts at `p0`.
-_SPAN = 4
+# Runs patched at positions `p0 … p0 + span - 1` share one pass that starts at `p0`.
+_SPANS = (1, 2, 4, 8, 16)
+# What one pass costs beyond its arithmetic, in multiply-adds: once, and per layer run (a
+# CPU estimate; it only sets how runs are grouped into passes).
+_OVERHEAD = {"bridge": (1.5e8, 6e7), "hf": (6e7, 2e7)}
 # (slot in the result, layer, position or None, head or None)
 _Run = tuple[int, int, "int | None", "int | None"]
 
@@ -160,26 +167,35 @@ def seam_patch(
     for slot, index in enumerate(itertools.product(*map(range, shape))):
         pos = index[1] if by_pos else None
         runs.append((slot, index[0], pos, index[-1] if with_head else None))
-    groups: dict[int, list[_Run]] = {}
-    for run in runs:
-        start = run[2] - run[2] % _SPAN if run[2] is not None else 0
-        groups.setdefault(start, []).append(run)
     out = torch.zeros(shape, device=backend.device)
     flat = out.view(-1)
     scored = _Metric(patching_metric, batch)
     with torch.no_grad():
         corrupted = backend.empty_cache(batch)
-        corrupted_logits = backend.forward(tokens, mask, corrupted)
+        with captured(backend) as (inputs, forms):
+            corrupted_logits = backend.forward(tokens, mask, corrupted)
         corrupted.freeze()
+        pass_ = _Pass(backend, site, tokens, mask, corrupted, clean)
+
+        def check(shortcuts: Shortcuts, first: int, start: int) -> bool:
+            logits = pass_.logits(shortcuts, [], first, start, 1)
+            expected = corrupted_logits[:, -1:] if shortcuts.last_only else corrupted_logits
+            expected = expected[:, -logits.shape[1] :]
+            bound = shortcuts.tolerance() * (1 + float(expected.abs().max()))
+            return (
+                logits.shape == expected.shape and float((logits - expected).abs().max()) <= bound
+            )
+
+        shortcuts = Shortcuts.of(backend, activation, patching_metric, inputs, forms, check)
         with tqdm(total=len(runs), disable=not progress, desc="patching") as bar:
-            for start, group in sorted(groups.items()):
+            for first, start, group in _passes(backend, shortcuts, runs, length, batch):
                 rows = _rows_limit(backend, site.heads or 1, length - start, length, max_bytes)
                 per_pass = max(1, rows // batch)
                 per_pass = min(per_pass, max_batch) if max_batch else per_pass
-                for first in range(0, len(group), per_pass):
-                    chunk = group[first : first + per_pass]
-                    logits = _forward(backend, site, tokens, mask, corrupted, clean, chunk, start)
-                    if start:
+                for at in range(0, len(group), per_pass):
+                    chunk = group[at : at + per_pass]
+                    logits = pass_.logits(shortcuts, chunk, first, start, len(chunk))
+                    if start and logits.shape[1] < length and not shortcuts.last_only:
                         before = corrupted_logits[:, :start].repeat(len(chunk), 1, 1)
                         logits = torch.cat([before, logits], dim=1)
                     slots = torch.tensor([run[0] for run in chunk], device=out.device)
@@ -188,53 +204,113 @@ def seam_patch(
     return out
 
 
-def _forward(
-    backend: Backend,
-    site: Site,
-    tokens: torch.Tensor,
-    mask: torch.Tensor,
-    corrupted: Any,
-    clean: list[torch.Tensor],
-    chunk: list[_Run],
-    start: int,
-) -> torch.Tensor:
-    """Logits of positions `start:` of the chunk's patched runs, `batch` rows per run."""
-    batch, runs = tokens.shape[0], len(chunk)
-    device = tokens.device
-    if start:
-        prefix = corrupted.cropped(start)
-        prefix = (
-            prefix.expand(runs) if batch == 1 else prefix.select(torch.arange(batch).repeat(runs))
-        )
-        prefix.freeze()
-    else:
-        prefix = backend.empty_cache(batch * runs)
-    edits: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
-    for layer in sorted({run[1] for run in chunk}):
-        at = [i for i, run in enumerate(chunk) if run[1] == layer]
-        offsets = torch.arange(batch, device=device)
-        row = (torch.tensor(at, device=device)[:, None] * batch + offsets).reshape(-1)
-        pos, head = (
-            torch.tensor(
-                [chunk[i][k] for i in at if chunk[i][k] is not None],
-                dtype=torch.long,
-                device=device,
-            ).repeat_interleave(batch)
-            for k in (2, 3)
-        )
-        index = (row, offsets.repeat(len(at)), pos, head)
-        edits[layer] = _edit(site, clean[layer], index, start)
-    hooked = [
-        (site.hook(layer), edit) for layer, edit in edits.items() if site.hook(layer) is not None
-    ]
-    inputs = {layer: edit for layer, edit in edits.items() if site.hook(layer) is None}
+def _passes(
+    backend: Backend, shortcuts: Shortcuts, runs: list[_Run], length: int, batch: int
+) -> list[tuple[int, int, list[_Run]]]:
+    """The sweep's passes `(first layer, first position, runs)`, cheapest by a cost model.
 
-    fwd_hooks = [(name, _as_hook(edit)) for name, edit in hooked]
-    with residual_input(backend, inputs):
-        with backend.pass_hooks(prefix, fwd_hooks):  # type: ignore[arg-type]
-            return backend.forward_continuations(
-                tokens[:, start:].repeat(runs, 1), mask.repeat(runs, 1), prefix
+    Runs start at the layer of their patch (when the shortcut holds) and at their
+    position rounded down to a multiple of a span; the span of each layer's runs
+    minimises the estimated cost: `_OVERHEAD[family]` per pass and per layer it runs (in
+    multiply-adds), plus the multiply-adds of every row, layer and position it runs.
+    """
+    config = backend.config  # type: ignore[attr-defined]
+    d_model = backend.d_model
+    d_mlp = getattr(config, "intermediate_size", None) or 4 * d_model
+    per_position = d_model * (4 * d_model + 3 * d_mlp)
+    once, per_layer = _OVERHEAD.get(backend.family, _OVERHEAD["hf"])
+    by_layer: dict[int, list[_Run]] = {}
+    for run in runs:
+        by_layer.setdefault(shortcuts.first_layer(run[1]), []).append(run)
+    passes = []
+    for first, group in sorted(by_layer.items()):
+        layers = backend.n_layers - first
+        overhead = (once + per_layer * layers) / per_position
+        costs = {
+            span: sum(
+                overhead + layers * len(chunk) * batch * (length - start)
+                for start, chunk in _grouped(group, span).items()
             )
+            for span in _SPANS
+        }
+        span = min(costs, key=costs.__getitem__)
+        passes += [(first, start, chunk) for start, chunk in sorted(_grouped(group, span).items())]
+    return passes
+
+
+def _grouped(runs: list[_Run], span: int) -> dict[int, list[_Run]]:
+    """`runs` by the position their pass starts at: theirs, rounded down to a multiple of `span`."""
+    starts: dict[int, list[_Run]] = {}
+    for run in runs:
+        start = run[2] - run[2] % span if run[2] is not None else 0
+        starts.setdefault(start, []).append(run)
+    return starts
+
+
+class _Pass:
+    """The patched passes of one sweep: its model, tokens, corrupted cache and clean values."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        site: Site,
+        tokens: torch.Tensor,
+        mask: torch.Tensor,
+        corrupted: Any,
+        clean: list[torch.Tensor],
+    ) -> None:
+        self.backend, self.site, self.tokens, self.mask = backend, site, tokens, mask
+        self.corrupted, self.clean = corrupted, clean
+
+    def logits(
+        self, shortcuts: Shortcuts, chunk: list[_Run], first: int, start: int, runs: int
+    ) -> torch.Tensor:
+        """Logits of `runs` patched runs (`chunk`; none: unpatched) from layer `first`, position `start`.
+
+        Positions `start:`, `batch` rows per run; the last position alone when the metric
+        reads only that.
+        """
+        backend, site, tokens = self.backend, self.site, self.tokens
+        batch = tokens.shape[0]
+        device = tokens.device
+        if start:
+            prefix = self.corrupted.cropped(start)
+            prefix = (
+                prefix.expand(runs)
+                if batch == 1
+                else prefix.select(torch.arange(batch).repeat(runs))
+            )
+            prefix.freeze()
+        else:
+            prefix = backend.empty_cache(batch * runs)
+        edits: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
+        for layer in sorted({run[1] for run in chunk}):
+            at = [i for i, run in enumerate(chunk) if run[1] == layer]
+            offsets = torch.arange(batch, device=device)
+            row = (torch.tensor(at, device=device)[:, None] * batch + offsets).reshape(-1)
+            pos, head = (
+                torch.tensor(
+                    [chunk[i][k] for i in at if chunk[i][k] is not None],
+                    dtype=torch.long,
+                    device=device,
+                ).repeat_interleave(batch)
+                for k in (2, 3)
+            )
+            index = (row, offsets.repeat(len(at)), pos, head)
+            edits[layer] = _edit(site, self.clean[layer], index, start)
+        hooked = [
+            (site.hook(layer), edit)
+            for layer, edit in edits.items()
+            if site.hook(layer) is not None
+        ]
+        inputs = {layer: edit for layer, edit in edits.items() if site.hook(layer) is None}
+        fwd_hooks = [(name, _as_hook(edit)) for name, edit in hooked]
+        with shortcuts.taken(first, start, runs), residual_input(backend, inputs):
+            with backend.pass_hooks(prefix, fwd_hooks):  # type: ignore[arg-type]
+                logits = backend.forward_continuations(
+                    tokens[:, start:].repeat(runs, 1), self.mask.repeat(runs, 1), prefix
+                )
+        return logits[:, -1:] if shortcuts.last_only else logits
 
 
 def _edit(

@@ -20,9 +20,14 @@ from jaxtyping import Float
 
 from ..core._errors import PatchingError
 
-__all__ = ["Metric"]
+__all__ = ["Metric", "reads_last_position"]
 
 Metric = Callable[[Float[torch.Tensor, "rows pos d_vocab"]], torch.Tensor]
+
+
+def reads_last_position(metric: object) -> bool:
+    """Whether `metric` says it reads only the logits at the last position."""
+    return getattr(metric, "last_position_only", False) is True
 
 
 class _Metric:

@@ -36,6 +36,7 @@ from transformer_lens import HookedTransformer
 
 from ..backends.hooked._shared_attention import supports
 from ..core._thread_hooks import hooked_here
+from ._metric import reads_last_position
 
 __all__ = ["Plan", "causal", "reads_last_position"]
 
@@ -89,11 +90,6 @@ def causal(model: HookedTransformer) -> bool:
         (block.attn._attention_dir_override or model.cfg.attention_dir) == "causal"
         for block in model.blocks
     )
-
-
-def reads_last_position(metric: object) -> bool:
-    """Whether `metric` says it reads only the logits at the last position."""
-    return getattr(metric, "last_position_only", False) is True
 
 
 def _last_position(tensor: torch.Tensor, hook: object) -> torch.Tensor:

@@ -19,8 +19,8 @@ under every version:
    ([`hf_cache_argument`][safelens.hf_cache_argument]), so no deprecation warning;
 2. when that name is `cache`, each attention component of the bridge gets a forward
    pre-hook, for the pass only, that hands it the cache under `past_key_values` too;
-3. every layer must have called `cache.update` exactly once on the calling thread;
-   a pass in which some layer did not (another version combination, another
+3. every layer must have called `cache.update` exactly once on the calling thread
+   (none, for a layer the thread's pass skips: `safelens.backends.hf._skip`); a pass in which some layer did not (another version combination, another
    architecture) is refused with a [`CacheConfigError`][safelens.CacheConfigError] and
    the cache is put back, instead of returning numbers that ignored it.
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -44,21 +45,31 @@ from ..hf._cache import HFKeyValueCache
 from ..hf._hooks import attached
 from ..hf._layer import hf_hook_name
 from ..hf._model import hf_cache_argument
+from ..hf._skip import skipped_layers
 
 __all__ = ["cache_pass", "attention_modules"]
 
 _LOCK = threading.Lock()
 # id(bridge) -> (passes in flight, the pre-hook handles they share)
 _ALIASED: dict[int, tuple[int, list[Any]]] = {}
+_ATTENTION: weakref.WeakKeyDictionary[Any, list[torch.nn.Module]] = weakref.WeakKeyDictionary()
 # Levels for the counting hooks: negative, so never one a cache's own hooks() uses.
 _LEVELS = itertools.count(-1, -1)
 
 
 def attention_modules(bridge: Any) -> list[torch.nn.Module]:
-    """The bridge's attention components: the modules that call `cache.update`."""
+    """The bridge's attention components: the modules that call `cache.update`.
+
+    Found once per bridge (a walk over every module); a bridge whose components were
+    replaced since is caught by `cache_pass`' count of `cache.update` calls.
+    """
     from transformer_lens.model_bridge.generalized_components.attention import AttentionBridge
 
-    return [module for module in bridge.modules() if isinstance(module, AttentionBridge)]
+    found = _ATTENTION.get(bridge)
+    if found is None:
+        found = [module for module in bridge.modules() if isinstance(module, AttentionBridge)]
+        _ATTENTION[bridge] = found
+    return found
 
 
 def _alias(
@@ -149,7 +160,10 @@ def cache_pass(bridge: Any, cache: HFKeyValueCache) -> Iterator[dict[str, HFKeyV
             stack.enter_context(_aliased(bridge))
         stack.enter_context(attached(points, next(_LEVELS)))
         yield {name: cache}
-        missed = [layer for layer, count in enumerate(counts) if count != 1]
+        skipped = skipped_layers()
+        missed = [
+            layer for layer, count in enumerate(counts) if count != (0 if layer in skipped else 1)
+        ]
         if missed:
             raise CacheConfigError(
                 f"the bridge's forward did not pass the cache to the attention of layers "

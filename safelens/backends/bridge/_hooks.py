@@ -24,7 +24,7 @@ through the bridge (unlike HookedTransformer's and HuggingFace models' safelens 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from ...core._errors import HookError
@@ -42,10 +42,15 @@ def _resolve(
     backend: BridgeBackend, names: NamesFilter, cache_only: bool = False
 ) -> tuple[list[str], list[str]]:
     """`(bridge_names, cache_names)` that `names` selects, or a `HookError` saying why not."""
+    cache_names = backend.cache_hook_names()
+    listed = [names] if isinstance(names, str) else names
+    if not callable(listed) and all(isinstance(name, str) for name in listed):
+        if set(listed) <= set(cache_names):  # no need for the bridge's (costly) hook_dict
+            return [], list(listed)
     return split_names(
         names,
         list(backend.model.hook_dict),
-        backend.cache_hook_names(),
+        cache_names,
         "a hook point of the bridge",
         "capture it with bridge.run_with_cache(..., names_filter=...)",
         cache_only,
@@ -79,12 +84,14 @@ def bridge_hooks(
     resolved = [(_resolve(backend, names), fn) for names, fn in _pairs(fwd_hooks)]
     bridge_pairs = [(name, fn) for (names, _), fn in resolved for name in names]
     cache_pairs = [(names, fn) for (_, names), fn in resolved if names]
-    with (
-        cache.hooks(cache_pairs),
+    bridge_block: AbstractContextManager[Any] = (
         backend.model.hooks(
             fwd_hooks=bridge_pairs, reset_hooks_end=reset_hooks_end, clear_contexts=clear_contexts
-        ),
-    ):
+        )
+        if bridge_pairs or clear_contexts
+        else nullcontext()  # nothing for TransformerLens' bookkeeping to do
+    )
+    with cache.hooks(cache_pairs), bridge_block:
         try:
             yield backend.model
         finally:

@@ -1,0 +1,143 @@
+"""Start a HuggingFace model's forward at a layer, on the calling thread only: `skipping`.
+
+A HuggingFace causal LM (and a TransformerBridge, which runs one) owns the loop over
+its decoder layers, so it cannot start at a layer the way TransformerLens'
+`start_at_layer` does. Within [`skipping`][safelens.backends.hf._skip.skipping], on the
+calling thread, the layers before `first` are not run: each returns the hidden states
+it is handed, except the last of them, which returns `residual`, the residual stream
+entering layer `first` as the caller supplies it. The loop itself, its masks, its
+per-layer settings (hybrid attention types indexed by layer) and the hooks on layer
+`first` onward run as usual; a skipped layer never calls `cache.update`, so its cache
+layer keeps what it held.
+
+How: while any thread skips, each decoder layer's `forward` is an instance attribute
+that looks up the calling thread's plan and otherwise calls the layer's own `forward`,
+so other threads' passes through the model run every layer. The attribute is put back
+(or removed) when the last skipping block exits, also on error.
+
+Caveat: the caller vouches for `residual` (the patching sweeps take it from the
+unpatched run of the same tokens, and check once per sweep that a skipped pass gives
+that run's logits); forward hooks on a skipped layer still fire, on what it returns.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+__all__ = ["output_form", "skipped_layers", "skipping"]
+
+_LOCK = threading.Lock()
+# id(layer) -> (threads skipping, the instance `forward` it had before, if any)
+_INSTALLED: dict[int, tuple[int, Any]] = {}
+_MISSING = object()
+
+
+class _Plan(threading.local):
+    """The calling thread's plan: what each skipped layer returns (`None`: its input)."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[int, Any] = {}
+        self.skipped: frozenset[int] = frozenset()
+
+
+_PLAN = _Plan()
+
+
+def skipped_layers() -> frozenset[int]:
+    """The indices of the layers the calling thread's current pass skips (none outside)."""
+    return _PLAN.skipped
+
+
+def output_form(output: Any) -> int | None:
+    """How a decoder layer returned its hidden states: `0` bare, `n` an n-tuple, or `None`.
+
+    `None` when the rest of a tuple is not all `None` (attention weights, a cache): a
+    skipped layer cannot stand in for such a layer.
+    """
+    if isinstance(output, torch.Tensor):
+        return 0
+    if isinstance(output, tuple) and output and all(item is None for item in output[1:]):
+        return len(output)
+    return None
+
+
+def _skipping_forward(layer: torch.nn.Module, own: Callable[..., Any]) -> Callable[..., Any]:
+    key = id(layer)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        planned = _PLAN.outputs.get(key, _MISSING)
+        if planned is _MISSING:
+            return own(*args, **kwargs)
+        hidden, form = planned
+        if hidden is None:
+            hidden = args[0] if args else kwargs["hidden_states"]
+        return hidden if form == 0 else (hidden, *(None,) * (form - 1))
+
+    return forward
+
+
+@contextmanager
+def _installed(layers: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Each layer's `forward` able to skip, while any thread's block needs it."""
+    with _LOCK:
+        for layer in layers:
+            count, before = _INSTALLED.get(id(layer), (0, _MISSING))
+            if count == 0:
+                before = layer.__dict__.get("forward", _MISSING)
+                own = layer.forward
+                object.__setattr__(layer, "forward", _skipping_forward(layer, own))
+            _INSTALLED[id(layer)] = (count + 1, before)
+    try:
+        yield
+    finally:
+        with _LOCK:
+            for layer in layers:
+                count, before = _INSTALLED.pop(id(layer))
+                if count > 1:
+                    _INSTALLED[id(layer)] = (count - 1, before)
+                elif before is _MISSING:
+                    del layer.__dict__["forward"]
+                else:
+                    object.__setattr__(layer, "forward", before)
+
+
+@contextmanager
+def skipping(
+    layers: torch.nn.ModuleList | Sequence[torch.nn.Module],
+    first: int,
+    residual: torch.Tensor,
+    forms: Sequence[int],
+) -> Iterator[None]:
+    """Within the block, this thread's passes start at `layers[first]` with input `residual`.
+
+    **Arguments:**
+
+    - `layers`: the model's decoder layers, in the order its forward runs them.
+    - `first`: the first layer to run; `0` runs every layer (the block does nothing).
+    - `residual`: the hidden states layer `first` receives, shaped as the pass's.
+    - `forms`: per layer, how it returns its hidden states ([`output_form`][safelens.backends.hf._skip.output_form]).
+
+    The plan is the calling thread's alone and blocks do not nest on one thread.
+    """
+    if first == 0:
+        yield
+        return
+    skipped = list(layers)[:first]
+    if _PLAN.outputs:
+        raise RuntimeError("skipping blocks do not nest on one thread")
+    with _installed(skipped):
+        _PLAN.outputs = {
+            id(layer): (residual if index == first - 1 else None, forms[index])
+            for index, layer in enumerate(skipped)
+        }
+        _PLAN.skipped = frozenset(range(first))
+        try:
+            yield
+        finally:
+            _PLAN.outputs = {}
+            _PLAN.skipped = frozenset()

@@ -1,0 +1,180 @@
+"""What a sweep on a TransformerBridge or HuggingFace model may skip, checked on the model.
+
+A patched run needs only what its metric reads and what its patch can change:
+
+- *Layers before the patch.* A patch at layer `l` changes nothing before it, so a run
+  may start at layer `l` with the corrupted run's residual stream entering it
+  ([`skipping`][safelens.backends.hf._skip.skipping]: the layers before are not run,
+  on the sweep's thread only).
+- *Last position only.* A metric that says it reads only the last position's logits
+  (`metric.last_position_only`, as [`logit_diff_metric`][safelens.logit_diff_metric]'s
+  does) gets `[rows, 1, d_vocab]`: the last layer's MLP runs the last position alone
+  (unless the sweep patches `mlp_out`), and only that position is unembedded. Both
+  are PyTorch forward pre-hooks that keep the last position of their module's input
+  (the MLP's output is then added to every position of the residual stream; only the
+  last is read), acting in the sweep's thread only.
+
+Both are checked once per sweep, on the model itself: the unpatched corrupted tokens
+run from the middle position and (on a model of several layers) from the last layer,
+with the shortcuts, and must give the corrupted run's logits (within 1e-4 of the
+largest logit in float32, 3e-2 in half precision). A family where either shortcut does
+not hold (a decoder layer that returns more than its hidden states, an MLP whose
+output is not added to the residual stream) fails the check and runs without it:
+exact, slower.
+
+Caveat: a user's hook on a skipped layer's own modules does not fire (as with
+TransformerLens' `start_at_layer`), and one on the last layer's MLP sees the last
+position alone.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..backends._backend import Backend
+from ..backends.hf._skip import output_form, skipping
+from ._hf_sites import _decoder_layers
+from ._metric import reads_last_position
+
+__all__ = ["Shortcuts", "captured"]
+
+# Tolerance of the check, relative to the largest logit: float32 (and wider), else half.
+_TOLERANCE = {True: 1e-4, False: 3e-2}
+
+
+def _last_position_input(me: int) -> Callable[..., Any]:
+    """A pre-hook that keeps the last position of a module's input, in thread `me` only."""
+
+    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if threading.get_ident() != me:
+            return None
+        if args:
+            return (args[0][:, -1:], *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": kwargs["hidden_states"][:, -1:]}
+
+    return hook
+
+
+@contextmanager
+def captured(backend: Backend) -> Iterator[tuple[list[Any], list[Any]]]:
+    """Within the block, this thread's pass records each decoder layer's input and output form.
+
+    Yields `(inputs, forms)`, filled by the pass: `inputs[l]` the hidden states entering
+    layer `l`, `forms[l]` how layer `l` returned its own
+    ([`output_form`][safelens.backends.hf._skip.output_form]).
+    """
+    _, layers = _decoder_layers(backend.model, backend.n_layers)
+    me = threading.get_ident()
+    inputs: list[Any] = [None] * len(layers)
+    forms: list[Any] = [None] * len(layers)
+
+    def record(index: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        def before(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if threading.get_ident() == me:
+                inputs[index] = args[0] if args else kwargs["hidden_states"]
+
+        def after(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+            if threading.get_ident() == me:
+                forms[index] = output_form(output)
+
+        return before, after
+
+    handles = []
+    try:
+        for index, layer in enumerate(layers):
+            before, after = record(index)
+            handles.append(layer.register_forward_pre_hook(before, with_kwargs=True))
+            handles.append(layer.register_forward_hook(after, with_kwargs=True))
+        yield inputs, forms
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@dataclass
+class Shortcuts:
+    """The shortcuts one sweep takes (module notes), and how a pass takes them."""
+
+    backend: Backend
+    residuals: list[torch.Tensor]
+    forms: list[int]
+    skips: bool = False
+    last_only: bool = False
+    trim: bool = False
+    trim_mlp: bool = False
+
+    layers: torch.nn.ModuleList = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.layers = _decoder_layers(self.backend.model, self.backend.n_layers)[1]
+
+    def first_layer(self, layer: int) -> int:
+        """The layer a pass whose earliest patch sits at `layer` starts at."""
+        return layer if self.skips else 0
+
+    @contextmanager
+    def taken(self, first: int, start: int, runs: int) -> Iterator[None]:
+        """Within the block, this thread's pass from position `start` starts at layer `first`."""
+        me = threading.get_ident()
+        with ExitStack() as stack:
+            if first:
+                residual = self.residuals[first][:, start:].repeat(runs, 1, 1)
+                stack.enter_context(skipping(self.layers, first, residual, self.forms))
+            if self.trim:
+                modules = [_unembedding(self.backend)]
+                if self.trim_mlp:
+                    modules.append(self.layers[-1].mlp)
+                for module in modules:
+                    handle = module.register_forward_pre_hook(
+                        _last_position_input(me), with_kwargs=True
+                    )
+                    stack.callback(handle.remove)
+            yield
+
+    @classmethod
+    def of(
+        cls,
+        backend: Backend,
+        activation: str,
+        metric: object,
+        inputs: list[Any],
+        forms: list[Any],
+        check: Callable[[Shortcuts, int, int], bool],
+    ) -> Shortcuts:
+        """The shortcuts `check(shortcuts, first, start)` finds exact on this model (module notes)."""
+        residuals = [tensor.detach() for tensor in inputs]
+        n_layers = backend.n_layers
+        last_only = reads_last_position(metric)
+        skips = n_layers > 1 and all(form is not None for form in forms[:-1])
+        trims = last_only and isinstance(_unembedding(backend), torch.nn.Module)
+        mlp = getattr(_decoder_layers(backend.model, n_layers)[1][-1], "mlp", None)
+        trim_mlp = activation != "mlp_out" and isinstance(mlp, torch.nn.Module)
+        for skip, trim in dict.fromkeys([(skips, trims), (skips, False), (False, trims)]):
+            chosen = cls(backend, residuals, forms, skip, last_only, trim, trim and trim_mlp)
+            if (skip or trim) and _holds(check, chosen, n_layers - 1 if skip else 0):
+                return chosen
+        return cls(backend, residuals, forms, False, last_only)
+
+    def tolerance(self) -> float:
+        return _TOLERANCE[torch.finfo(self.backend.dtype).bits >= 32]
+
+
+def _holds(check: Callable[[Shortcuts, int, int], bool], shortcuts: Shortcuts, first: int) -> bool:
+    middle = shortcuts.residuals[0].shape[1] // 2
+    try:
+        return check(shortcuts, first, 0) and check(shortcuts, first, middle)
+    except Exception:  # noqa: BLE001 - a family the shortcut does not fit runs without it
+        return False
+
+
+def _unembedding(backend: Backend) -> Any:
+    """The module that turns the last hidden states into logits (`get_output_embeddings`)."""
+    model = getattr(backend.model, "original_model", backend.model)
+    getter = getattr(model, "get_output_embeddings", None)
+    return getter() if callable(getter) else None

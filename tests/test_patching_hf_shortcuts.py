@@ -1,0 +1,263 @@
+"""The shortcuts of the sweeps on TransformerBridges and HuggingFace models.
+
+A patched run there starts at the layer of its patch (the layers before it skipped on
+the sweep's thread, the corrupted run's residual stream entering it) and, for a metric
+that reads only the last position, runs the last layer's MLP and the unembedding on that
+position alone (`safelens.patching._hf_shortcuts`). References: TransformerLens'
+`patching` on the bridge, the torch-hooked loop of `test_patching_hf` on HuggingFace
+models, and the same sweep with the shortcuts turned off. Four-layer models, so that
+passes start at the first, middle and last layers; every family of the HF backend.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+import torch
+from bridge_models import bridge
+from hf_models import ids, model, run
+from test_patching_hf import ANSWER, TOL, WRONG, reference
+from transformer_lens import patching
+
+import safelens
+from safelens import run_with_patching_cache
+from safelens.backends._backend import backend_of
+from safelens.backends.hf import _skip
+from safelens.patching import _hf_shortcuts
+
+LAYERS, LENGTH = 4, 10
+
+
+def last_only(batch: int):
+    """A batched logit difference that says it reads only the last position."""
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        assert logits.shape[1] == 1  # the sweeps hand it the last position alone
+        return (logits[:, -1, ANSWER] - logits[:, -1, WRONG]).reshape(-1, batch).mean(-1)
+
+    metric.last_position_only = True  # type: ignore[attr-defined]
+    return metric
+
+
+def every_position(logits: torch.Tensor) -> torch.Tensor:
+    """A TransformerLens-style metric that reads every position."""
+    return logits[:, :, ANSWER].mean() - logits[:, -1, WRONG].mean()
+
+
+def pair(batch: int, padded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    clean = ids(batch, LENGTH, seed=5)
+    if padded:
+        clean[0, :3] = 0
+    corrupted = clean.clone()
+    corrupted[:, 3] = 7
+    corrupted[:, 6] = 13
+    return clean, corrupted
+
+
+@pytest.fixture
+def taken(monkeypatch):
+    """The shortcuts each sweep took, in order."""
+    chosen = []
+    of = _hf_shortcuts.Shortcuts.of.__func__
+
+    def spy(cls, *args, **kwargs):
+        chosen.append(of(cls, *args, **kwargs))
+        return chosen[-1]
+
+    monkeypatch.setattr(_hf_shortcuts.Shortcuts, "of", classmethod(spy))
+    return chosen
+
+
+def without_shortcuts(monkeypatch, sweep, *args):
+    """`sweep(*args)` with every shortcut turned off."""
+    with monkeypatch.context() as patched:
+        plain = _hf_shortcuts.Shortcuts.of.__func__
+
+        def off(cls, backend, activation, metric, inputs, forms, check):
+            return plain(cls, backend, activation, metric, inputs, forms, lambda *a: False)
+
+        patched.setattr(_hf_shortcuts.Shortcuts, "of", classmethod(off))
+        return sweep(*args, progress=False)
+
+
+def hooks_of(lm) -> dict[str, tuple[list, list]]:
+    """Every module's torch forward hooks and pre-hooks (a bridge keeps some of its own)."""
+    return {
+        name: (list(m._forward_hooks.values()), list(m._forward_pre_hooks.values()))
+        for name, m in lm.named_modules()
+    }
+
+
+def assert_left_as_found(lm, hooks: dict | None = None) -> None:
+    if hooks is None:
+        assert all(not m._forward_hooks and not m._forward_pre_hooks for m in lm.modules())
+    else:
+        assert hooks_of(lm) == hooks
+    assert all("forward" not in m.__dict__ for m in lm.modules())
+    assert not _skip._INSTALLED
+
+
+HF_SWEEPS = {
+    "get_act_patch_attn_head_k_by_pos": "k",
+    "get_act_patch_attn_head_v_by_pos": "v",
+    "get_act_patch_resid_pre": "resid_pre",
+    "get_act_patch_attn_out": "attn_out",
+    "get_act_patch_mlp_out": "mlp_out",
+}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen2", "mistral", "gemma2", "phi3"])
+def test_hf_sweeps_take_the_shortcuts_and_equal_a_loop_of_hooked_forwards(name, taken, monkeypatch):
+    lm = model(name, layers=LAYERS)
+    clean, corrupted = pair(2, padded=name == "llama")
+    mask = torch.ones_like(clean)
+    if name == "llama":
+        monkeypatch.setattr(lm, "tokenizer", SimpleNamespace(pad_token_id=0), raising=False)
+        mask[0, :3] = 0
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    for sweep_name, activation in HF_SWEEPS.items():
+        sweep = getattr(safelens, sweep_name)
+        got = sweep(lm, corrupted, clean_cache, last_only(2), progress=False)
+        shortcuts = taken[-1]
+        assert shortcuts.skips and shortcuts.trim, (name, sweep_name)
+        assert shortcuts.trim_mlp == (activation != "mlp_out")
+        indices = [(layer, pos, 1)[: got.dim()] for layer in range(LAYERS) for pos in (3, 6, 9)]
+
+        def metric(logits):
+            return (logits[:, -1, ANSWER] - logits[:, -1, WRONG]).mean()
+
+        with monkeypatch.context() as patched:
+            patched.setattr("test_patching_hf.metric", metric)
+            expected = reference(lm, activation, indices, clean, corrupted, mask)
+        assert (got[tuple(torch.tensor(indices).T)] - expected).abs().max() <= TOL, sweep_name
+        exact = without_shortcuts(monkeypatch, sweep, lm, corrupted, clean_cache, last_only(2))
+        assert (got - exact).abs().max() <= TOL, sweep_name
+        assert (got - got.flatten()[0]).abs().max() > 1e-6, sweep_name
+    assert_left_as_found(lm)
+
+
+def test_hf_sweep_with_a_metric_of_every_position_skips_layers_only(taken, monkeypatch):
+    lm = model("gemma2", layers=LAYERS)
+    clean, corrupted = pair(1)
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    sweep = safelens.get_act_patch_attn_head_v_by_pos
+    got = sweep(lm, corrupted, clean_cache, every_position, progress=False)
+    assert taken[-1].skips and not taken[-1].trim
+    exact = without_shortcuts(monkeypatch, sweep, lm, corrupted, clean_cache, every_position)
+    assert (got - exact).abs().max() <= TOL
+    assert (got - got.flatten()[0]).abs().max() > 1e-6
+
+
+BRIDGE_SWEEPS = {
+    "get_act_patch_attn_head_k_by_pos": ("k", patching.layer_pos_head_vector_patch_setter),
+    "get_act_patch_attn_head_v_by_pos": ("v", patching.layer_pos_head_vector_patch_setter),
+    "get_act_patch_attn_head_q_by_pos": ("q", patching.layer_pos_head_vector_patch_setter),
+    "get_act_patch_attn_head_out_by_pos": ("z", patching.layer_pos_head_vector_patch_setter),
+    "get_act_patch_resid_pre": ("resid_pre", patching.layer_pos_patch_setter),
+    "get_act_patch_resid_mid": ("resid_mid", patching.layer_pos_patch_setter),
+    "get_act_patch_attn_out": ("attn_out", patching.layer_pos_patch_setter),
+    "get_act_patch_mlp_out": ("mlp_out", patching.layer_pos_patch_setter),
+    "get_act_patch_attn_head_v_all_pos": ("v", patching.layer_head_vector_patch_setter),
+}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_bridge_sweeps_take_the_shortcuts_and_equal_transformer_lens_patching(name, taken):
+    lm = bridge(name, layers=LAYERS)
+    clean, corrupted = pair(1)
+    _, clean_cache = lm.run_with_cache(clean)
+    hooks = hooks_of(lm)  # with the hooks a bridge adds to itself at its first passes
+    metric = last_only(1)
+    for sweep_name, (activation, setter) in BRIDGE_SWEEPS.items():
+        got = getattr(safelens, sweep_name)(lm, corrupted, clean_cache, metric, progress=False)
+        assert taken[-1].skips and taken[-1].trim, sweep_name
+        index = torch.stack(torch.unravel_index(torch.arange(0, got.numel(), 3), got.shape), 1)
+        columns = ["layer", "pos", "head_index"] if got.dim() == 3 else ["layer", "pos"]
+        if "all_pos" in sweep_name:
+            columns = ["layer", "head_index"]
+        expected = patching.generic_activation_patch(
+            lm,
+            corrupted,
+            clean_cache,
+            lambda logits: metric(logits[:, -1:])[0],  # one run: a scalar
+            setter,
+            activation,
+            index_df=pd.DataFrame(index.tolist(), columns=columns),
+        )
+        assert (got[tuple(index.T)] - expected).abs().max() <= TOL, sweep_name
+        assert (got - got.flatten()[0]).abs().max() > 1e-6, sweep_name
+    assert all(not point._forward_hooks for point in lm.hook_dict.values())
+    assert_left_as_found(lm, hooks)
+
+
+def test_a_skip_that_does_not_fit_the_family_is_caught_and_not_taken(taken, monkeypatch):
+    """Skipped layers that return what the model's loop does not expect fail the check."""
+    lm = model("llama", layers=LAYERS)
+    clean, corrupted = pair(1)
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    sweep = safelens.get_act_patch_attn_head_k_by_pos
+    exact = without_shortcuts(monkeypatch, sweep, lm, corrupted, clean_cache, last_only(1))
+    monkeypatch.setattr(_hf_shortcuts, "output_form", lambda output: 2)  # a 2-tuple: wrong
+    got = sweep(lm, corrupted, clean_cache, last_only(1), progress=False)
+    assert not taken[-1].skips and taken[-1].trim
+    assert (got - exact).abs().max() <= TOL
+    assert_left_as_found(lm)
+
+
+def test_other_threads_run_every_layer_while_a_sweep_skips(taken):
+    lm = model("qwen2", layers=LAYERS)
+    clean, corrupted = pair(1)
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    tokens = ids(3, 7, seed=9)
+    with torch.no_grad():
+        expected = lm(tokens).logits
+    seen, stop = [], threading.Event()
+
+    def other() -> None:
+        with torch.no_grad():
+            while not stop.is_set():
+                seen.append(float((lm(tokens).logits - expected).abs().max()))
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    try:
+        for _ in range(3):
+            safelens.get_act_patch_resid_pre(
+                lm, corrupted, clean_cache, last_only(1), progress=False
+            )
+    finally:
+        stop.set()
+        worker.join()
+    assert taken[-1].skips and taken[-1].trim_mlp
+    assert seen and max(seen) <= 1e-5
+    assert_left_as_found(lm)
+
+
+def test_a_sweep_interrupted_in_a_skipping_pass_puts_every_layer_back():
+    lm = model("phi3", layers=LAYERS)
+    clean, corrupted = pair(1)
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    skipped = []
+
+    def interrupt(module, args, output):
+        skipped.append(_skip.skipped_layers())
+        if sum(map(bool, skipped)) == 3:  # after the two checks, a patched pass that skips
+            raise KeyboardInterrupt
+
+    handle = lm.model.layers[-1].register_forward_hook(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            safelens.get_act_patch_attn_head_v_by_pos(
+                lm, corrupted, clean_cache, last_only(1), progress=False
+            )
+    finally:
+        handle.remove()
+    assert _skip.skipped_layers() == frozenset()
+    assert_left_as_found(lm)
+    tokens = ids(1, 5)
+    with torch.no_grad():
+        cache = backend_of(lm, "test").empty_cache(1)
+        assert torch.allclose(lm(tokens).logits, run(lm, tokens, cache), atol=1e-5)
