@@ -76,8 +76,9 @@ def captured(backend: Backend) -> Iterator[tuple[list[Any], list[Any]]]:
 
     def record(index: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
         def before(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if threading.get_ident() == me:
-                inputs[index] = args[0] if args else kwargs["hidden_states"]
+            if threading.get_ident() == me:  # a copy: the pass may edit its tensors in place
+                hidden = args[0] if args else kwargs["hidden_states"]
+                inputs[index] = hidden.detach().clone()
 
         def after(module: Any, args: Any, kwargs: Any, output: Any) -> None:
             if threading.get_ident() == me:
@@ -148,10 +149,13 @@ class Shortcuts:
         check: Callable[[Shortcuts, int, int], bool],
     ) -> Shortcuts:
         """The shortcuts `check(shortcuts, first, start)` finds exact on this model (module notes)."""
-        residuals = [tensor.detach() for tensor in inputs]
+        residuals = list(inputs)
         n_layers = backend.n_layers
         last_only = reads_last_position(metric)
-        skips = n_layers > 1 and all(form is not None for form in forms[:-1])
+        skips = n_layers > 1 and all(
+            form is not None and tensor is not None
+            for form, tensor in zip(forms, inputs, strict=True)
+        )
         trims = last_only and isinstance(_unembedding(backend), torch.nn.Module)
         mlp = getattr(_decoder_layers(backend.model, n_layers)[1][-1], "mlp", None)
         trim_mlp = activation != "mlp_out" and isinstance(mlp, torch.nn.Module)
