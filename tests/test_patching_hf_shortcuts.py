@@ -26,7 +26,7 @@ import safelens
 from safelens import run_with_patching_cache
 from safelens.backends._backend import backend_of
 from safelens.backends.hf import _skip
-from safelens.patching import _hf_shortcuts
+from safelens.patching import _hf_shortcuts, _hf_sweeps
 
 LAYERS, LENGTH = 4, 10
 
@@ -109,8 +109,24 @@ HF_SWEEPS = {
 }
 
 
+@pytest.fixture
+def passes(monkeypatch):
+    """The `(first layer, first position, runs)` of each sweep's passes, in order."""
+    planned = []
+    plan = _hf_sweeps._passes
+
+    def spy(*args):
+        planned.append(plan(*args))
+        return planned[-1]
+
+    monkeypatch.setattr(_hf_sweeps, "_passes", spy)
+    return planned
+
+
 @pytest.mark.parametrize("name", ["llama", "gpt2", "qwen2", "mistral", "gemma2", "phi3"])
-def test_hf_sweeps_take_the_shortcuts_and_equal_a_loop_of_hooked_forwards(name, taken, monkeypatch):
+def test_hf_sweeps_take_the_shortcuts_and_equal_a_loop_of_hooked_forwards(
+    name, taken, passes, monkeypatch
+):
     lm = model(name, layers=LAYERS)
     clean, corrupted = pair(2, padded=name == "llama")
     mask = torch.ones_like(clean)
@@ -124,6 +140,9 @@ def test_hf_sweeps_take_the_shortcuts_and_equal_a_loop_of_hooked_forwards(name, 
         shortcuts = taken[-1]
         assert shortcuts.skips and shortcuts.trim, (name, sweep_name)
         assert shortcuts.trim_mlp == (activation != "mlp_out")
+        # Last-layer key and value patches run the last position alone, whatever their own.
+        late = [run[2] for first, start, runs in passes[-1] for run in runs if start == LENGTH - 1]
+        assert any(pos < LENGTH - 1 for pos in late) == (activation in ("k", "v")), sweep_name
         indices = [(layer, pos, 1)[: got.dim()] for layer in range(LAYERS) for pos in (3, 6, 9)]
 
         def metric(logits):

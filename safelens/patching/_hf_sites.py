@@ -70,6 +70,7 @@ class Site:
     cache's key; the hook's tensor and the clean tensor are laid out alike, positions
     on `pos_axis`, heads (if any) on `head_axis`, except that a clean tensor that is
     position-major (`transposed`: a bridge's `attn.hook_rot_k`) swaps axes 1 and 2.
+    `full(layer)`, for keys and values, names the cache hook that sees every position.
     """
 
     activation: str
@@ -79,6 +80,9 @@ class Site:
     head_axis: int
     heads: int
     transposed: bool = False
+    # Keys and values: the cache hook that sees every position a pass attends to
+    # (`hook_k_full` / `hook_v_full`), where a patch at an earlier position still lands.
+    full: Callable[[int], str] | None = None
 
 
 def _decoder_layers(model: Any, n_layers: int) -> tuple[str, torch.nn.ModuleList]:
@@ -115,15 +119,20 @@ def site_of(backend: Backend, activation: str) -> Site:
         def cache_name(layer: int) -> str:
             return layout.hook_name(layer, point)
 
+        def full_name(layer: int) -> str:
+            return layout.hook_name(layer, f"hook_{activation}_full")
+
         if backend.family != "bridge":
-            return Site(activation, cache_name, cache_name, 2, 1, backend.n_kv_heads)
+            return Site(
+                activation, cache_name, cache_name, 2, 1, backend.n_kv_heads, full=full_name
+            )
         rotary = activation == "k" and "blocks.0.attn.hook_rot_k" in backend.model.hook_dict
         name = "attn.hook_rot_k" if rotary else tl
 
         def clean(layer: int) -> str:
             return f"blocks.{layer}.{name}"
 
-        return Site(activation, cache_name, clean, 2, 1, backend.n_kv_heads, transposed=True)
+        return Site(activation, cache_name, clean, 2, 1, backend.n_kv_heads, True, full=full_name)
     heads = n_heads if activation in ("q", "z") else 0
 
     def tl_name(layer: int) -> str:

@@ -188,7 +188,7 @@ def seam_patch(
 
         shortcuts = Shortcuts.of(backend, activation, patching_metric, inputs, forms, check)
         with tqdm(total=len(runs), disable=not progress, desc="patching") as bar:
-            for first, start, group in _passes(backend, shortcuts, runs, length, batch):
+            for first, start, group in _passes(backend, site, shortcuts, runs, length, batch):
                 rows = _rows_limit(backend, site.heads or 1, length - start, length, max_bytes)
                 per_pass = max(1, rows // batch)
                 per_pass = min(per_pass, max_batch) if max_batch else per_pass
@@ -205,7 +205,12 @@ def seam_patch(
 
 
 def _passes(
-    backend: Backend, shortcuts: Shortcuts, runs: list[_Run], length: int, batch: int
+    backend: Backend,
+    site: Site,
+    shortcuts: Shortcuts,
+    runs: list[_Run],
+    length: int,
+    batch: int,
 ) -> list[tuple[int, int, list[_Run]]]:
     """The sweep's passes `(first layer, first position, runs)`, cheapest by a cost model.
 
@@ -213,7 +218,14 @@ def _passes(
     position rounded down to a multiple of a span; the span of each layer's runs
     minimises the estimated cost: `_OVERHEAD[family]` per pass and per layer it runs (in
     multiply-adds), plus the multiply-adds of every row, layer and position it runs.
+    Key and value patches in the last layer, for a metric of the last position, change
+    only what that position reads: they run the last position alone, patched where the
+    cache hands the last layer every position (`Site.full`).
     """
+    last = backend.n_layers - 1
+    late = shortcuts.last_only and site.full is not None and (shortcuts.skips or last == 0)
+    passes = [(last, length - 1, [run for run in runs if run[1] == last])] if late else []
+    runs = [run for run in runs if not (late and run[1] == last)]
     config = backend.config  # type: ignore[attr-defined]
     d_model = backend.d_model
     d_mlp = getattr(config, "intermediate_size", None) or 4 * d_model
@@ -222,7 +234,6 @@ def _passes(
     by_layer: dict[int, list[_Run]] = {}
     for run in runs:
         by_layer.setdefault(shortcuts.first_layer(run[1]), []).append(run)
-    passes = []
     for first, group in sorted(by_layer.items()):
         layers = backend.n_layers - first
         overhead = (once + per_layer * layers) / per_position
@@ -284,6 +295,7 @@ class _Pass:
         else:
             prefix = backend.empty_cache(batch * runs)
         edits: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
+        hooks: dict[int, str | None] = {}
         for layer in sorted({run[1] for run in chunk}):
             at = [i for i, run in enumerate(chunk) if run[1] == layer]
             offsets = torch.arange(batch, device=device)
@@ -297,13 +309,15 @@ class _Pass:
                 for k in (2, 3)
             )
             index = (row, offsets.repeat(len(at)), pos, head)
-            edits[layer] = _edit(site, self.clean[layer], index, start)
-        hooked = [
-            (site.hook(layer), edit)
-            for layer, edit in edits.items()
-            if site.hook(layer) is not None
-        ]
-        inputs = {layer: edit for layer, edit in edits.items() if site.hook(layer) is None}
+            full = site.full is not None and layer == backend.n_layers - 1 == first
+            if full and start == tokens.shape[1] - 1:  # `_passes`' last-layer group
+                hooks[layer] = site.full(layer)  # type: ignore[misc]
+                edits[layer] = _edit(site, self.clean[layer], index, 0)
+            else:
+                hooks[layer] = site.hook(layer)
+                edits[layer] = _edit(site, self.clean[layer], index, start)
+        hooked = [(hooks[layer], edit) for layer, edit in edits.items() if hooks[layer] is not None]
+        inputs = {layer: edit for layer, edit in edits.items() if hooks[layer] is None}
         fwd_hooks = [(name, _as_hook(edit)) for name, edit in hooked]
         with shortcuts.taken(first, start, runs), residual_input(backend, inputs):
             with backend.pass_hooks(prefix, fwd_hooks):  # type: ignore[arg-type]
