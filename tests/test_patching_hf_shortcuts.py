@@ -140,9 +140,10 @@ def test_hf_sweeps_take_the_shortcuts_and_equal_a_loop_of_hooked_forwards(
         shortcuts = taken[-1]
         assert shortcuts.skips and shortcuts.trim, (name, sweep_name)
         assert shortcuts.trim_mlp == (activation != "mlp_out")
-        # Last-layer key and value patches run the last position alone, whatever their own.
+        # Last-layer patches run the last position alone, whatever their own, except those
+        # of the residual stream entering the layer (its keys and values change).
         late = [run[2] for first, start, runs in passes[-1] for run in runs if start == LENGTH - 1]
-        assert any(pos < LENGTH - 1 for pos in late) == (activation in ("k", "v")), sweep_name
+        assert any(pos < LENGTH - 1 for pos in late) == (activation != "resid_pre"), sweep_name
         indices = [(layer, pos, 1)[: got.dim()] for layer in range(LAYERS) for pos in (3, 6, 9)]
 
         def metric(logits):

@@ -46,6 +46,8 @@ __all__ = ["is_seam_model", "seam_patch"]
 
 # Runs patched at positions `p0 … p0 + span - 1` share one pass that starts at `p0`.
 _SPANS = (1, 2, 4, 8, 16)
+# Activations computed after a layer's keys and values: a patch changes its own position.
+_OWN_POSITION = frozenset({"q", "z", "attn_out", "resid_mid", "mlp_out"})
 # What one pass costs beyond its arithmetic, in multiply-adds: once, and per layer run (a
 # CPU estimate; it only sets how runs are grouped into passes).
 _OVERHEAD = {"bridge": (1.5e8, 6e7), "hf": (6e7, 2e7)}
@@ -218,12 +220,18 @@ def _passes(
     position rounded down to a multiple of a span; the span of each layer's runs
     minimises the estimated cost: `_OVERHEAD[family]` per pass and per layer it runs (in
     multiply-adds), plus the multiply-adds of every row, layer and position it runs.
-    Key and value patches in the last layer, for a metric of the last position, change
-    only what that position reads: they run the last position alone, patched where the
-    cache hands the last layer every position (`Site.full`).
+    For a metric of the last position, every patch in the last layer runs the last
+    position alone: a key or value patch changes only what that position reads (patched
+    where the cache hands the last layer every position, `Site.full`), and a patch of an
+    activation computed after the keys and values (`_OWN_POSITION`) changes only its own
+    position, so one at an earlier position gives the corrupted run's logits.
     """
     last = backend.n_layers - 1
-    late = shortcuts.last_only and site.full is not None and (shortcuts.skips or last == 0)
+    late = (
+        shortcuts.last_only
+        and (site.full is not None or site.activation in _OWN_POSITION)
+        and (shortcuts.skips or last == 0)
+    )
     passes = [(last, length - 1, [run for run in runs if run[1] == last])] if late else []
     runs = [run for run in runs if not (late and run[1] == last)]
     config = backend.config  # type: ignore[attr-defined]
@@ -296,8 +304,23 @@ class _Pass:
             prefix = backend.empty_cache(batch * runs)
         edits: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
         hooks: dict[int, str | None] = {}
+        # `_passes`' last-layer group: the last position of the last layer alone.
+        late = first == backend.n_layers - 1 and start == tokens.shape[1] - 1
+        full = late and site.full is not None
         for layer in sorted({run[1] for run in chunk}):
-            at = [i for i, run in enumerate(chunk) if run[1] == layer]
+            at = [
+                i
+                for i, run in enumerate(chunk)
+                if run[1] == layer
+                and (
+                    full
+                    or run[2] is None
+                    or run[2] >= start
+                    or site.activation not in _OWN_POSITION
+                )
+            ]  # an own-position patch before the last position changes nothing read there
+            if not at:
+                continue
             offsets = torch.arange(batch, device=device)
             row = (torch.tensor(at, device=device)[:, None] * batch + offsets).reshape(-1)
             pos, head = (
@@ -309,8 +332,7 @@ class _Pass:
                 for k in (2, 3)
             )
             index = (row, offsets.repeat(len(at)), pos, head)
-            full = site.full is not None and layer == backend.n_layers - 1 == first
-            if full and start == tokens.shape[1] - 1:  # `_passes`' last-layer group
+            if full:
                 hooks[layer] = site.full(layer)  # type: ignore[misc]
                 edits[layer] = _edit(site, self.clean[layer], index, 0)
             else:
