@@ -213,18 +213,49 @@ def test_bridge_sweeps_take_the_shortcuts_and_equal_transformer_lens_patching(na
     assert_left_as_found(lm, hooks)
 
 
-def test_a_skip_that_does_not_fit_the_family_is_caught_and_not_taken(taken, monkeypatch):
-    """Skipped layers that return what the model's loop does not expect fail the check."""
+def test_a_family_that_carries_state_between_layers_is_caught_and_not_skipped(taken, monkeypatch):
+    """State handed from layer 0 to layer 2 beside the residual stream fails the check.
+
+    Hooks stand in for such a family: layer 0's output leaves a value that layer 2 adds
+    to its input. A pass that skips layer 0 would hand layer 2 another value.
+    """
     lm = model("llama", layers=LAYERS)
     clean, corrupted = pair(1)
     _, clean_cache = run_with_patching_cache(lm, clean)
-    sweep = safelens.get_act_patch_attn_head_k_by_pos
+    sweep = safelens.get_act_patch_attn_head_v_by_pos
     exact = without_shortcuts(monkeypatch, sweep, lm, corrupted, clean_cache, last_only(1))
-    monkeypatch.setattr(_hf_shortcuts, "output_form", lambda output: 2)  # a 2-tuple: wrong
-    got = sweep(lm, corrupted, clean_cache, last_only(1), progress=False)
+    state = {}
+    layers = lm.model.layers
+    handles = [
+        # per position, so that passes of fewer positions carry the same state
+        layers[0].register_forward_hook(lambda m, a, out: state.update(carried=out[..., :1])),
+        layers[2].register_forward_pre_hook(lambda m, args: (args[0] + state["carried"],)),
+    ]
+    try:
+        carried = without_shortcuts(monkeypatch, sweep, lm, corrupted, clean_cache, last_only(1))
+        got = sweep(lm, corrupted, clean_cache, last_only(1), progress=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert (carried - exact).abs().max() > 1e-3  # the carried state matters
     assert not taken[-1].skips and taken[-1].trim
-    assert (got - exact).abs().max() <= TOL
+    assert (got - carried).abs().max() <= TOL
     assert_left_as_found(lm)
+
+
+def test_a_pre_hook_of_the_users_acts_once_on_a_layer_a_pass_starts_at(taken, monkeypatch):
+    lm = model("mistral", layers=LAYERS)
+    clean, corrupted = pair(1)
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    sweep = safelens.get_act_patch_attn_head_k_by_pos
+    handle = lm.model.layers[2].register_forward_pre_hook(lambda m, args: (args[0] * 1.5,))
+    try:
+        exact = without_shortcuts(monkeypatch, sweep, lm, corrupted, clean_cache, last_only(1))
+        got = sweep(lm, corrupted, clean_cache, last_only(1), progress=False)
+    finally:
+        handle.remove()
+    assert taken[-1].skips
+    assert (got - exact).abs().max() <= TOL
 
 
 def test_other_threads_run_every_layer_while_a_sweep_skips(taken):

@@ -14,16 +14,17 @@ A patched run needs only what its metric reads and what its patch can change:
   (the MLP's output is then added to every position of the residual stream; only the
   last is read), acting in the sweep's thread only.
 
-Both are checked once per sweep, on the model itself: the unpatched corrupted tokens
-run from the middle position and (on a model of several layers) from the last layer,
-with the shortcuts, and must give the corrupted run's logits (within 1e-4 of the
-largest logit in float32, 3e-2 in half precision). A family where either shortcut does
-not hold (a decoder layer that returns more than its hidden states, an MLP whose
-output is not added to the residual stream) fails the check and runs without it:
-exact, slower.
+Both are checked once per sweep, on the model itself: the unpatched corrupted tokens run
+with the shortcuts from the last layer (from the first and from the middle position)
+and from every other layer (the last position alone), and must give the corrupted run's
+logits (within 1e-4 of the largest logit in float32, 3e-2 in half precision). A family
+where a shortcut does not hold (one that carries state from layer to layer beside the
+residual stream, an MLP whose output is not added to the residual stream) fails the
+check and runs without it: exact, slower.
 
 Caveat: a user's hook on a skipped layer's own modules does not fire (as with
-TransformerLens' `start_at_layer`), and one on the last layer's MLP sees the last
+TransformerLens' `start_at_layer`; one on the skipped layer itself fires, on what it is
+handed, and what it returns is not used), and one on the last layer's MLP sees the last
 position alone.
 """
 
@@ -90,7 +91,9 @@ def captured(backend: Backend) -> Iterator[tuple[list[Any], list[Any]]]:
     try:
         for index, layer in enumerate(layers):
             before, after = record(index)
-            handles.append(layer.register_forward_pre_hook(before, with_kwargs=True))
+            # First among the pre-hooks: the input before any of the user's edits it, as
+            # `skipping` hands it on before them.
+            handles.append(layer.register_forward_pre_hook(before, with_kwargs=True, prepend=True))
             handles.append(layer.register_forward_hook(after, with_kwargs=True))
         yield inputs, forms
     finally:
@@ -161,7 +164,7 @@ class Shortcuts:
         trim_mlp = activation != "mlp_out" and isinstance(mlp, torch.nn.Module)
         for skip, trim in dict.fromkeys([(skips, trims), (skips, False), (False, trims)]):
             chosen = cls(backend, residuals, forms, skip, last_only, trim, trim and trim_mlp)
-            if (skip or trim) and _holds(check, chosen, n_layers - 1 if skip else 0):
+            if (skip or trim) and _holds(check, chosen):
                 return chosen
         return cls(backend, residuals, forms, False, last_only)
 
@@ -169,10 +172,19 @@ class Shortcuts:
         return _TOLERANCE[torch.finfo(self.backend.dtype).bits >= 32]
 
 
-def _holds(check: Callable[[Shortcuts, int, int], bool], shortcuts: Shortcuts, first: int) -> bool:
-    middle = shortcuts.residuals[0].shape[1] // 2
+def _holds(check: Callable[[Shortcuts, int, int], bool], shortcuts: Shortcuts) -> bool:
+    """Whether passes with `shortcuts` give the corrupted run's logits (module notes).
+
+    Skipping: from the last layer over every position and from the middle one, and from
+    every other layer at the last position (a family that carries state from layer to
+    layer beside the residual stream fails there).
+    """
+    length = shortcuts.residuals[0].shape[1]
+    last = len(shortcuts.residuals) - 1 if shortcuts.skips else 0
+    checks = [(last, 0), (last, length // 2)]
+    checks += [(first, length - 1) for first in range(1, last)]
     try:
-        return check(shortcuts, first, 0) and check(shortcuts, first, middle)
+        return all(check(shortcuts, first, start) for first, start in checks)
     except Exception:  # noqa: BLE001 - a family the shortcut does not fit runs without it
         return False
 

@@ -3,12 +3,13 @@
 A HuggingFace causal LM (and a TransformerBridge, which runs one) owns the loop over
 its decoder layers, so it cannot start at a layer the way TransformerLens'
 `start_at_layer` does. Within [`skipping`][safelens.backends.hf._skip.skipping], on the
-calling thread, the layers before `first` are not run: each returns the hidden states
-it is handed, except the last of them, which returns `residual`, the residual stream
-entering layer `first` as the caller supplies it. The loop itself, its masks, its
-per-layer settings (hybrid attention types indexed by layer) and the hooks on layer
-`first` onward run as usual; a skipped layer never calls `cache.update`, so its cache
-layer keeps what it held.
+calling thread, the layers before `first` are not run (each returns the hidden states
+it is handed) and layer `first` receives `residual`, the residual stream entering it as
+the caller supplies it, from a forward pre-hook that runs before any other on that
+layer (so the user's pre-hooks there act once, on `residual`, as in a full pass). The
+loop itself, its masks, its per-layer settings (hybrid attention types indexed by
+layer) and the hooks on layer `first` onward run as usual; a skipped layer never calls
+`cache.update`, so its cache layer keeps what it held.
 
 How: while any thread skips, each decoder layer's `forward` is an instance attribute
 that looks up the calling thread's plan and otherwise calls the layer's own `forward`,
@@ -16,8 +17,9 @@ so other threads' passes through the model run every layer. The attribute is put
 (or removed) when the last skipping block exits, also on error.
 
 Caveat: the caller vouches for `residual` (the patching sweeps take it from the
-unpatched run of the same tokens, and check once per sweep that a skipped pass gives
-that run's logits); forward hooks on a skipped layer still fire, on what it returns.
+unpatched run of the same tokens, before any pre-hook of the user's, and check once per
+sweep that a skipped pass gives that run's logits); hooks on a skipped layer still
+fire, on what it is handed and returns, and what they return is not used.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ _MISSING = object()
 
 
 class _Plan(threading.local):
-    """The calling thread's plan: what each skipped layer returns (`None`: its input)."""
+    """The calling thread's plan: each skipped layer's output form (it returns its input)."""
 
     def __init__(self) -> None:
         self.outputs: dict[int, Any] = {}
@@ -70,12 +72,10 @@ def _skipping_forward(layer: torch.nn.Module, own: Callable[..., Any]) -> Callab
     key = id(layer)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        planned = _PLAN.outputs.get(key, _MISSING)
-        if planned is _MISSING:
+        form = _PLAN.outputs.get(key, _MISSING)
+        if form is _MISSING:
             return own(*args, **kwargs)
-        hidden, form = planned
-        if hidden is None:
-            hidden = args[0] if args else kwargs["hidden_states"]
+        hidden = args[0] if args else kwargs["hidden_states"]
         return hidden if form == 0 else (hidden, *(None,) * (form - 1))
 
     return forward
@@ -130,14 +130,25 @@ def skipping(
     skipped = list(layers)[:first]
     if _PLAN.outputs:
         raise RuntimeError("skipping blocks do not nest on one thread")
-    with _installed(skipped):
-        _PLAN.outputs = {
-            id(layer): (residual if index == first - 1 else None, forms[index])
-            for index, layer in enumerate(skipped)
-        }
-        _PLAN.skipped = frozenset(range(first))
-        try:
-            yield
-        finally:
-            _PLAN.outputs = {}
-            _PLAN.skipped = frozenset()
+    me = threading.get_ident()
+
+    def enter(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if threading.get_ident() != me:
+            return None
+        if args:
+            return (residual, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": residual}
+
+    # First among the layer's pre-hooks: the user's run after it, as in an unskipped pass.
+    handle = layers[first].register_forward_pre_hook(enter, with_kwargs=True, prepend=True)
+    try:
+        with _installed(skipped):
+            _PLAN.outputs = {id(layer): forms[index] for index, layer in enumerate(skipped)}
+            _PLAN.skipped = frozenset(range(first))
+            try:
+                yield
+            finally:
+                _PLAN.outputs = {}
+                _PLAN.skipped = frozenset()
+    finally:
+        handle.remove()
