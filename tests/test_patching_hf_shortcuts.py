@@ -312,3 +312,33 @@ def test_a_sweep_interrupted_in_a_skipping_pass_puts_every_layer_back():
     with torch.no_grad():
         cache = backend_of(lm, "test").empty_cache(1)
         assert torch.allclose(lm(tokens).logits, run(lm, tokens, cache), atol=1e-5)
+
+
+def test_two_threads_sweeping_one_model_get_the_serial_results(taken):
+    lm = model("gemma2", layers=LAYERS)
+    clean, corrupted = pair(1)
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    sweeps = [safelens.get_act_patch_attn_head_k_by_pos, safelens.get_act_patch_resid_pre]
+    serial = [sweep(lm, corrupted, clean_cache, last_only(1), progress=False) for sweep in sweeps]
+    results: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def run_sweep(index: int) -> None:
+        try:
+            for _ in range(2):
+                results[index] = sweeps[index](
+                    lm, corrupted, clean_cache, last_only(1), progress=False
+                )
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    workers = [threading.Thread(target=run_sweep, args=(index,)) for index in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert not errors
+    assert all(shortcuts.skips for shortcuts in taken)
+    for index in range(2):
+        assert (results[index] - serial[index]).abs().max() <= 1e-6
+    assert_left_as_found(lm)
