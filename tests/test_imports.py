@@ -22,7 +22,13 @@ import safelens
 
 ROOT = Path(__file__).resolve().parents[1]
 # The sweeps dispatch to TransformerBridge and HuggingFace models without TransformerLens.
-ANY_BACKEND = (".backends.hf.", ".patching._sweeps", ".patching._hf_sites")
+ANY_BACKEND = (
+    ".backends.hf.",
+    ".patching._sweeps",
+    ".patching._hf_sites",
+    ".patching._every",
+    ".patching._patterns",
+)
 HOOKED_ONLY = {
     name
     for module, names in safelens._LAZY_MODULES.items()

@@ -14,8 +14,22 @@ the pattern have `n_heads`. As in TransformerLens (3.9 and 4.x), the k and v row
 the key/value-head results in heads `0 … n_kv_heads - 1` and zeros after them: the
 zeros are padding, not measurements, and head index `g` of those rows is key/value
 head `g` (which serves query heads `g * r … (g + 1) * r - 1`, `r = n_heads //
-n_kv_heads`), not query head `g`. With `cfg.ungroup_grouped_query_attention=True` the k
-and v sweeps already index `n_heads` heads and nothing is padded.
+n_kv_heads`), not query head `g`. With `cfg.ungroup_grouped_query_attention=True` on a
+`HookedTransformer` the k and v sweeps already index `n_heads` heads and nothing is
+padded.
+
+Models: every sweep dispatches on the model itself, so a bundle takes what its sweeps
+take. A `HookedTransformer` and a TransformerBridge run all three bundles; a plain
+HuggingFace causal LM runs `get_act_patch_block_every` (its decoder layers' inputs,
+attention and MLP outputs, see `safelens.patching._hf_sites`) and is refused the head
+bundles, whose q, z and pattern sweeps have no hook point there. On a bridge the k row
+patches keys after the rotary embedding (the same patch as TransformerLens'
+`attn.hook_k` at one position, for every position at once in the `*_all_pos` bundle
+too), and the clean cache is `bridge.run_with_cache`'s; on a HuggingFace model it is
+[`run_with_patching_cache`][safelens.run_with_patching_cache]'s. Whatever the model,
+the clean cache is checked for every activation the bundle patches before its first
+sweep runs. This module imports nothing from TransformerLens, so it loads on
+TransformerLens 4.
 """
 
 from __future__ import annotations
@@ -25,10 +39,11 @@ from typing import Any
 
 import torch
 from jaxtyping import Float, Int
-from transformer_lens import ActivationCache, HookedTransformer
-from transformer_lens.utilities import get_act_name
 
+from ..backends._backend import backend_of
 from ..core._errors import PatchingError
+from ._hf_sites import TL_NAMES, _tokens, site_of
+from ._hf_sweeps import _clean, is_seam_model
 from ._patterns import (
     get_act_patch_attn_head_pattern_all_pos,
     get_act_patch_attn_head_pattern_by_pos,
@@ -58,19 +73,49 @@ __all__ = [
 Sweep = Callable[..., torch.Tensor]
 
 
+def _check_seam_model(
+    model: Any, corrupted_tokens: Any, clean_cache: Any, activations: Sequence[str], bundle: str
+) -> None:
+    """On a bridge or HuggingFace model, a `PatchingError` for a sweep that cannot run there.
+
+    Each activation must have a site on the model and its clean tensor of every layer
+    (checked as the sweep checks it) in `clean_cache`.
+    """
+    backend = backend_of(model, bundle)
+    tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
+    for activation in activations:
+        try:
+            site = site_of(backend, activation)
+            for layer in range(backend.n_layers):
+                site.hook(layer)
+                _clean(backend, site, clean_cache, layer, *tokens.shape)
+        except PatchingError as error:
+            raise PatchingError(
+                f"{bundle} stacks sweeps of {', '.join(activations)}, and cannot sweep "
+                f"{activation!r} here: {error}"
+            ) from None
+
+
 def _check_clean_cache(
-    model: Any, clean_cache: Any, activations: Sequence[str], bundle: str
+    model: Any,
+    corrupted_tokens: Any,
+    clean_cache: Any,
+    activations: Sequence[str],
+    bundle: str,
 ) -> None:
     """A `PatchingError` before any sweep runs if `clean_cache` lacks what one patches.
 
     Other inputs (model, tokens, shapes, limits) are checked by the first sweep, before
     it runs anything.
     """
-    if not isinstance(model, HookedTransformer):
+    if is_seam_model(model):
+        _check_seam_model(model, corrupted_tokens, clean_cache, activations, bundle)
+        return
+    if not hasattr(model, "cfg"):
         return
     for activation in activations:
         for layer in range(model.cfg.n_layers):
-            name = get_act_name(activation, layer)
+            name = f"blocks.{layer}.{TL_NAMES[activation]}"
             try:
                 clean_cache[name]
             except KeyError:
@@ -90,16 +135,16 @@ def _check_clean_cache(
 def _stack(
     sweeps: Sequence[tuple[Sweep, str]],
     bundle: str,
-    model: HookedTransformer,
+    model: torch.nn.Module,
     corrupted_tokens: torch.Tensor,
-    clean_cache: ActivationCache,
+    clean_cache: Any,
     metric: Metric,
     max_batch: int | None,
     max_bytes: int,
     progress: bool,
 ) -> torch.Tensor:
     """Every sweep's result, its last axis zero-padded to the first's, stacked on axis 0."""
-    _check_clean_cache(model, clean_cache, [name for _, name in sweeps], bundle)
+    _check_clean_cache(model, corrupted_tokens, clean_cache, [name for _, name in sweeps], bundle)
     results: list[torch.Tensor] = []
     for sweep, _ in sweeps:
         result = sweep(
@@ -123,9 +168,9 @@ def _pattern_by_dest_pos(*args: Any, **kwargs: Any) -> Float[torch.Tensor, "laye
 
 
 def get_act_patch_block_every(
-    model: HookedTransformer,
+    model: torch.nn.Module,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
-    clean_cache: ActivationCache,
+    clean_cache: Any,
     metric: Metric,
     *,
     max_batch: int | None = None,
@@ -141,10 +186,12 @@ def get_act_patch_block_every(
 
     **Arguments:**
 
-    - `model`: a `HookedTransformer` with MLP layers (not `cfg.attn_only`).
+    - `model`: a `HookedTransformer` with MLP layers (not `cfg.attn_only`), a
+      TransformerBridge or a HuggingFace causal LM.
     - `corrupted_tokens`: `[batch, pos]` tokens of the corrupted run.
-    - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`), same
-      `pos`.
+    - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`; on a
+      HuggingFace model, [`run_with_patching_cache`][safelens.run_with_patching_cache]'s
+      dict), same `pos`.
     - `metric`: logits `[runs * batch, pos, d_vocab]` to `[runs]` (fast), or
       TransformerLens-style logits of one run to a scalar. (TransformerLens names this
       argument `metric` in its bundles, `patching_metric` in its sweeps.)
@@ -155,9 +202,9 @@ def get_act_patch_block_every(
 
     **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
     token ids of this model; [`PatchingError`][safelens.PatchingError] for an
-    attention-only model or a clean cache missing an activation (before any sweep runs),
-    a clean cache of another length, a model, metric result or limit that does not fit,
-    naming it.
+    attention-only model, a clean cache missing an activation or of another length, a
+    model, metric result or limit that does not fit, naming it (what the clean cache
+    lacks, before any sweep runs).
 
     ```python
     >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
@@ -189,9 +236,9 @@ def get_act_patch_block_every(
 
 
 def get_act_patch_attn_head_all_pos_every(
-    model: HookedTransformer,
+    model: torch.nn.Module,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
-    clean_cache: ActivationCache,
+    clean_cache: Any,
     metric: Metric,
     *,
     max_batch: int | None = None,
@@ -206,7 +253,8 @@ def get_act_patch_attn_head_all_pos_every(
 
     **Arguments:**
 
-    - `model`: a `HookedTransformer`.
+    - `model`: a `HookedTransformer` or a TransformerBridge (a plain HuggingFace
+      causal LM has no hook point for q, z or the pattern and is refused).
     - `corrupted_tokens`: `[batch, pos]` tokens of the corrupted run.
     - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`), same
       `pos`.
@@ -220,9 +268,10 @@ def get_act_patch_attn_head_all_pos_every(
     padding; see the module notes).
 
     **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
-    token ids of this model; [`PatchingError`][safelens.PatchingError] for a clean cache
-    missing an activation (before any sweep runs), a clean cache of another length, a
-    model, metric result or limit that does not fit, naming it.
+    token ids of this model; [`PatchingError`][safelens.PatchingError] for a plain
+    HuggingFace model, a clean cache missing an activation or of another length, a
+    model, metric result or limit that does not fit, naming it (a HuggingFace model and
+    what the clean cache lacks, before any sweep runs).
 
     ```python
     >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
@@ -256,9 +305,9 @@ def get_act_patch_attn_head_all_pos_every(
 
 
 def get_act_patch_attn_head_by_pos_every(
-    model: HookedTransformer,
+    model: torch.nn.Module,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
-    clean_cache: ActivationCache,
+    clean_cache: Any,
     metric: Metric,
     *,
     max_batch: int | None = None,
@@ -275,7 +324,8 @@ def get_act_patch_attn_head_by_pos_every(
 
     **Arguments:**
 
-    - `model`: a `HookedTransformer`.
+    - `model`: a `HookedTransformer` or a TransformerBridge (a plain HuggingFace
+      causal LM has no hook point for q, z or the pattern and is refused).
     - `corrupted_tokens`: `[batch, pos]` tokens of the corrupted run.
     - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`), same
       `pos`.
@@ -289,9 +339,10 @@ def get_act_patch_attn_head_by_pos_every(
     `n_heads` (TransformerLens' padding; see the module notes).
 
     **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
-    token ids of this model; [`PatchingError`][safelens.PatchingError] for a clean cache
-    missing an activation (before any sweep runs), a clean cache of another length, a
-    model, metric result or limit that does not fit, naming it.
+    token ids of this model; [`PatchingError`][safelens.PatchingError] for a plain
+    HuggingFace model, a clean cache missing an activation or of another length, a
+    model, metric result or limit that does not fit, naming it (a HuggingFace model and
+    what the clean cache lacks, before any sweep runs).
 
     ```python
     >>> from transformer_lens import HookedTransformer, HookedTransformerConfig

@@ -14,6 +14,7 @@ prompts of one length, positions counted alike).
 | `k` | `blocks.{l}.kv_cache.hook_k_new` (`blocks.{l}.attn.hook_rot_k`; `attn.hook_k` without rotary) | `model.layers.{l}.kv_cache.hook_k_new` (the same) |
 | `v` | `blocks.{l}.kv_cache.hook_v_new` (`blocks.{l}.attn.hook_v`) | `model.layers.{l}.kv_cache.hook_v_new` (the same) |
 | `q`, `z` | `blocks.{l}.attn.hook_q`, `hook_z` | none: HuggingFace attention computes them inside one call |
+| `pattern` | `blocks.{l}.attn.hook_pattern` `[batch, n_heads, dest_pos, src_pos]` | none, as for `q` and `z` |
 | `resid_pre` | `blocks.{l}.hook_resid_pre` | the decoder layer's input (`blocks.{l}.hook_resid_pre`) |
 | `resid_mid` | `blocks.{l}.hook_resid_mid` | none |
 | `attn_out` | `blocks.{l}.hook_attn_out` | the attention module's output (`blocks.{l}.hook_attn_out`) |
@@ -55,6 +56,7 @@ TL_NAMES = {
     "k": "attn.hook_k",
     "v": "attn.hook_v",
     "z": "attn.hook_z",
+    "pattern": "attn.hook_pattern",
 }
 # What a plain HuggingFace model can be patched at (the others need a bridge).
 TL_NAMES_ON_HF = frozenset({"resid_pre", "attn_out", "mlp_out", "k", "v"})
@@ -68,8 +70,9 @@ class Site:
     `hook(layer)` names the hook (a bridge, cache or module name; `None` for the
     decoder layer's input, patched by `residual_input`); `clean(layer)` the clean
     cache's key; the hook's tensor and the clean tensor are laid out alike, positions
-    on `pos_axis`, heads (if any) on `head_axis`, except that a clean tensor that is
-    position-major (`transposed`: a bridge's `attn.hook_rot_k`) swaps axes 1 and 2.
+    on `pos_axis` (a pattern's destination positions; its source positions follow),
+    heads (if any) on `head_axis`, except that a clean tensor that is position-major
+    (`transposed`: a bridge's `attn.hook_rot_k`) swaps axes 1 and 2.
     `full(layer)`, for keys and values, names the cache hook that sees every position.
     """
 
@@ -133,12 +136,14 @@ def site_of(backend: Backend, activation: str) -> Site:
             return f"blocks.{layer}.{name}"
 
         return Site(activation, cache_name, clean, 2, 1, backend.n_kv_heads, True, full=full_name)
-    heads = n_heads if activation in ("q", "z") else 0
+    heads = n_heads if activation in ("q", "z", "pattern") else 0
 
     def tl_name(layer: int) -> str:
         return f"blocks.{layer}.{tl}"
 
     if backend.family == "bridge":
+        if activation == "pattern":  # [batch, n_heads, dest_pos, src_pos]
+            return Site(activation, tl_name, tl_name, 2, 1, heads)
         return Site(activation, tl_name, tl_name, 1, 2, heads)
     if activation in _MODULES:
         return Site(
@@ -148,10 +153,10 @@ def site_of(backend: Backend, activation: str) -> Site:
         return Site(activation, lambda layer: None, tl_name, 1, 2, 0)
     raise PatchingError(
         f"activation {activation!r} has no hook point on a plain HuggingFace model (its "
-        "attention computes queries and head outputs inside one call, and no residual "
-        "stream sits between attention and MLP); sweep k, v, resid_pre, attn_out or "
-        "mlp_out, or wrap the model in a TransformerLens TransformerBridge, whose hook "
-        "points cover q, z and resid_mid"
+        "attention computes queries, patterns and head outputs inside one call, and no "
+        "residual stream sits between attention and MLP); sweep k, v, resid_pre, attn_out "
+        "or mlp_out, or wrap the model in a TransformerLens TransformerBridge, whose hook "
+        "points cover q, z, pattern and resid_mid"
     )
 
 

@@ -5,7 +5,9 @@ The `get_act_patch_*` sweeps dispatch here for a model that is not a
 TransformerBridge or a plain HuggingFace causal LM. Where each sweep patches, and what
 the clean cache is, is `safelens.patching._hf_sites`' table. The corrupted prompt runs
 once into a frozen [`HFKeyValueCache`][safelens.HFKeyValueCache]. A patch at layer `l`,
-position `p` changes nothing before `l` or before `p` in a causal model, so the patched
+position `p` (an attention pattern's destination position: the row it patches spans
+every source position, the keys of positions before `p` included, and changes the head's
+output at `p` alone) changes nothing before `l` or before `p` in a causal model, so the patched
 runs are grouped by layer and by `p` rounded down to a multiple of a span (chosen per
 layer by a cost model, `_passes`); each group's runs are stacked along the batch,
 `batch` rows per run, and run only positions `p:` through the model, on forks of the
@@ -51,8 +53,8 @@ _OWN_POSITION = frozenset({"q", "z", "attn_out", "resid_mid", "mlp_out"})
 # What one pass costs beyond its arithmetic, in multiply-adds: once, and per layer run (a
 # CPU estimate; it only sets how runs are grouped into passes).
 _OVERHEAD = {"bridge": (1.5e8, 6e7), "hf": (6e7, 2e7)}
-# (slot in the result, layer, position or None, head or None)
-_Run = tuple[int, int, "int | None", "int | None"]
+# (slot in the result, layer, position or None, head or None, source position or None)
+_Run = tuple[int, int, "int | None", "int | None", "int | None"]
 
 
 def is_seam_model(model: Any) -> bool:
@@ -84,7 +86,9 @@ def _clean(
     if site.transposed:
         clean = clean.transpose(1, 2)
     expected: tuple[int, ...]
-    if site.pos_axis == 2:
+    if site.activation == "pattern":
+        expected = (site.heads, length, length)
+    elif site.pos_axis == 2:
         expected = (backend.n_kv_heads, length, backend.d_head)
     elif site.heads:
         expected = (length, site.heads, backend.d_head)
@@ -110,8 +114,8 @@ def _put(
     index: tuple[torch.Tensor, ...],
     start: int,
 ) -> torch.Tensor:
-    """Write the clean values at `index` = (rows, clean rows, pos, head) into `tensor` (positions `start:`)."""
-    rows, clean_rows, pos, head = index
+    """Write the clean values at `index` = (rows, clean rows, pos, head, source pos) into `tensor` (positions `start:`)."""
+    rows, clean_rows, pos, head, src = index
     target: list[Any] = [slice(None)] * tensor.dim()
     source: list[Any] = [slice(None)] * clean.dim()
     target[0], source[0] = rows, clean_rows
@@ -119,6 +123,8 @@ def _put(
         target[site.pos_axis], source[site.pos_axis] = pos - start, pos
     if head.numel():
         target[site.head_axis], source[site.head_axis] = head, head
+    if src.numel():  # a pattern's source positions, after its destination positions
+        target[site.pos_axis + 1], source[site.pos_axis + 1] = src, src
     # In place, as TransformerLens' setters: a bridge alias such as `hook_resid_mid`
     # (`ln2.hook_in`) ignores what its hook returns.
     tensor[tuple(target)] = clean[tuple(source)]
@@ -145,8 +151,14 @@ def seam_patch(
     max_batch: int | None,
     max_bytes: int,
     progress: bool,
+    *,
+    by_src: bool = False,
 ) -> torch.Tensor:
-    """One `get_act_patch_*` sweep on a TransformerBridge or HuggingFace model (module notes)."""
+    """One `get_act_patch_*` sweep on a TransformerBridge or HuggingFace model (module notes).
+
+    The result is `[layer, pos, head]`, without the axes a sweep does not have; `by_src`
+    (patterns) adds a source position axis after `pos`.
+    """
     _check_limits(max_batch, max_bytes, progress)
     backend = backend_of(model, "patching")
     site = site_of(backend, activation)
@@ -163,12 +175,14 @@ def seam_patch(
     shape = (
         backend.n_layers,
         *((length,) if by_pos else ()),
+        *((length,) if by_src else ()),
         *((site.heads,) if with_head else ()),
     )
     runs: list[_Run] = []
     for slot, index in enumerate(itertools.product(*map(range, shape))):
         pos = index[1] if by_pos else None
-        runs.append((slot, index[0], pos, index[-1] if with_head else None))
+        src = index[2] if by_src else None
+        runs.append((slot, index[0], pos, index[-1] if with_head else None, src))
     out = torch.zeros(shape, device=backend.device)
     flat = out.view(-1)
     scored = _Metric(patching_metric, batch)
@@ -323,15 +337,15 @@ class _Pass:
                 continue
             offsets = torch.arange(batch, device=device)
             row = (torch.tensor(at, device=device)[:, None] * batch + offsets).reshape(-1)
-            pos, head = (
+            pos, head, src = (
                 torch.tensor(
                     [chunk[i][k] for i in at if chunk[i][k] is not None],
                     dtype=torch.long,
                     device=device,
                 ).repeat_interleave(batch)
-                for k in (2, 3)
+                for k in (2, 3, 4)
             )
-            index = (row, offsets.repeat(len(at)), pos, head)
+            index = (row, offsets.repeat(len(at)), pos, head, src)
             if full:
                 hooks[layer] = site.full(layer)  # type: ignore[misc]
                 edits[layer] = _edit(site, self.clean[layer], index, 0)

@@ -1,32 +1,40 @@
-"""Setter-based sweeps of attention patterns, as TransformerLens runs them.
+"""Sweeps of attention patterns: TransformerLens' pattern patches, many runs per pass.
 
-TransformerLens builds these three sweeps from its pattern patch setters on
-`generic_activation_patch`; so does this module, on
+Each sweep patches `blocks.{layer}.attn.hook_pattern` `[batch, n_heads, dest_pos,
+src_pos]` (after the softmax) from the clean run: a head's whole pattern, one row
+(`dest_pos`), or one entry. Patterns index query heads (`n_heads`), grouped-query
+models included.
+
+Models: on a `HookedTransformer`, TransformerLens builds these sweeps from its pattern
+patch setters on `generic_activation_patch`; so does this module, on
 [`generic_activation_patch`][safelens.generic_activation_patch], with the same setters
-and index grids, so the results are TransformerLens' own up to float rounding. Patched
-runs are batched many per forward pass.
+and index grids. A TransformerBridge goes to `safelens.patching._hf_sweeps` (its
+`pattern` site), where a row or entry patch at `dest_pos` runs positions `dest_pos:`
+only, on the corrupted run's cache. A plain HuggingFace causal LM is refused: its
+attention computes the pattern inside one call, with no hook point. This module imports
+nothing from TransformerLens until a `HookedTransformer` sweep runs, so it loads on
+TransformerLens 4, which removed `HookedTransformer`.
 
-Caveat: an attention pattern `[batch, n_heads, dest_pos, src_pos]` spans every key
-position, so pattern patches run every position of every patched run (the cost of a
-plain forward pass each, batched). Patterns index query heads (`n_heads`), grouped-query models
-included.
+Caveat: on a `HookedTransformer` a pattern spans every key position, so every patched
+run runs every position (the cost of a plain forward pass each, batched). On a bridge a
+patch takes effect only where the bridge's attention feeds what its `hook_pattern`
+returns into the head outputs, as TransformerLens' own patching on the bridge does (its
+Llama-style rotary and GPT-2 attention do).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from jaxtyping import Float, Int
-from transformer_lens import ActivationCache, HookedTransformer
-from transformer_lens.patching import (
-    AxisNames,
-    layer_head_dest_src_pos_pattern_patch_setter,
-    layer_head_pattern_patch_setter,
-    layer_head_pos_pattern_patch_setter,
-)
 
+from ._hf_sweeps import is_seam_model, seam_patch
 from ._sweeps import DEFAULT_MAX_BYTES, Metric, generic_activation_patch
+
+if TYPE_CHECKING:
+    from transformer_lens.patching import AxisNames
 
 __all__ = [
     "get_act_patch_attn_head_pattern_by_pos",
@@ -37,26 +45,52 @@ __all__ = [
 Setter = Callable[[torch.Tensor, Sequence[int], torch.Tensor], torch.Tensor]
 
 
-def _setter_sweep(
-    setter: Setter,
-    activation_name: str,
+def _pattern_sweep(
     index_axis_names: tuple[AxisNames, ...],
-    model: HookedTransformer,
+    model: torch.nn.Module,
     corrupted_tokens: torch.Tensor,
-    clean_cache: ActivationCache,
+    clean_cache: Any,
     patching_metric: Metric,
     max_batch: int | None,
     max_bytes: int,
     progress: bool,
 ) -> torch.Tensor:
-    """`generic_activation_patch` over the full grid of `index_axis_names`."""
+    """The pattern sweep over the full grid of `index_axis_names` (layer, head_index, …).
+
+    On a bridge or HuggingFace model, `seam_patch`'s `[layer, dest_pos, src_pos, head]`
+    (the axes it has) turned to TransformerLens' order, head second.
+    """
+    by_pos = "dest_pos" in index_axis_names
+    by_src = "src_pos" in index_axis_names
+    if is_seam_model(model):
+        swept = seam_patch(
+            "pattern",
+            by_pos,
+            True,
+            model,
+            corrupted_tokens,
+            clean_cache,
+            patching_metric,
+            max_batch,
+            max_bytes,
+            progress,
+            by_src=by_src,
+        )
+        return swept.movedim(-1, 1)
+    from transformer_lens import patching
+
+    setters: dict[tuple[bool, bool], Setter] = {
+        (False, False): patching.layer_head_pattern_patch_setter,
+        (True, False): patching.layer_head_pos_pattern_patch_setter,
+        (True, True): patching.layer_head_dest_src_pos_pattern_patch_setter,
+    }
     result = generic_activation_patch(
-        model,
+        model,  # type: ignore[arg-type]
         corrupted_tokens,
         clean_cache,
         patching_metric,
-        setter,
-        activation_name,
+        setters[by_pos, by_src],
+        "pattern",
         index_axis_names,
         max_batch=max_batch,
         max_bytes=max_bytes,
@@ -67,9 +101,9 @@ def _setter_sweep(
 
 
 def get_act_patch_attn_head_pattern_by_pos(
-    model: HookedTransformer,
+    model: torch.nn.Module,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
-    clean_cache: ActivationCache,
+    clean_cache: Any,
     patching_metric: Metric,
     *,
     max_batch: int | None = None,
@@ -85,7 +119,8 @@ def get_act_patch_attn_head_pattern_by_pos(
 
     **Arguments:**
 
-    - `model`: a `HookedTransformer`.
+    - `model`: a `HookedTransformer` or a TransformerBridge (a plain HuggingFace
+      causal LM has no pattern hook point and is refused).
     - `corrupted_tokens`: `[batch, pos]` tokens of the corrupted run.
     - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`), same
       `pos`.
@@ -99,9 +134,9 @@ def get_act_patch_attn_head_pattern_by_pos(
     model's device (`n_heads` query heads, grouped-query models included).
 
     **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
-    token ids of this model; [`PatchingError`][safelens.PatchingError] for a model, a
-    clean cache of another length or without `hook_pattern`, a metric result or a
-    limit that does not fit, naming it.
+    token ids of this model; [`PatchingError`][safelens.PatchingError] for a plain
+    HuggingFace model, a clean cache of another length or without `hook_pattern`, a
+    metric result or a limit that does not fit, naming it.
 
     ```python
     >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
@@ -114,9 +149,7 @@ def get_act_patch_attn_head_pattern_by_pos(
 
     ```
     """
-    return _setter_sweep(
-        layer_head_pos_pattern_patch_setter,
-        "pattern",
+    return _pattern_sweep(
         ("layer", "head_index", "dest_pos"),
         model,
         corrupted_tokens,
@@ -129,9 +162,9 @@ def get_act_patch_attn_head_pattern_by_pos(
 
 
 def get_act_patch_attn_head_pattern_dest_src_pos(
-    model: HookedTransformer,
+    model: torch.nn.Module,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
-    clean_cache: ActivationCache,
+    clean_cache: Any,
     patching_metric: Metric,
     *,
     max_batch: int | None = None,
@@ -147,7 +180,8 @@ def get_act_patch_attn_head_pattern_dest_src_pos(
 
     **Arguments:**
 
-    - `model`: a `HookedTransformer`.
+    - `model`: a `HookedTransformer` or a TransformerBridge (a plain HuggingFace
+      causal LM has no pattern hook point and is refused).
     - `corrupted_tokens`: `[batch, pos]` tokens of the corrupted run.
     - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`), same
       `pos`.
@@ -161,9 +195,9 @@ def get_act_patch_attn_head_pattern_dest_src_pos(
     the model's device (`n_heads` query heads, grouped-query models included).
 
     **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
-    token ids of this model; [`PatchingError`][safelens.PatchingError] for a model, a
-    clean cache of another length or without `hook_pattern`, a metric result or a
-    limit that does not fit, naming it.
+    token ids of this model; [`PatchingError`][safelens.PatchingError] for a plain
+    HuggingFace model, a clean cache of another length or without `hook_pattern`, a
+    metric result or a limit that does not fit, naming it.
 
     ```python
     >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
@@ -176,9 +210,7 @@ def get_act_patch_attn_head_pattern_dest_src_pos(
 
     ```
     """
-    return _setter_sweep(
-        layer_head_dest_src_pos_pattern_patch_setter,
-        "pattern",
+    return _pattern_sweep(
         ("layer", "head_index", "dest_pos", "src_pos"),
         model,
         corrupted_tokens,
@@ -191,9 +223,9 @@ def get_act_patch_attn_head_pattern_dest_src_pos(
 
 
 def get_act_patch_attn_head_pattern_all_pos(
-    model: HookedTransformer,
+    model: torch.nn.Module,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
-    clean_cache: ActivationCache,
+    clean_cache: Any,
     patching_metric: Metric,
     *,
     max_batch: int | None = None,
@@ -207,7 +239,8 @@ def get_act_patch_attn_head_pattern_all_pos(
 
     **Arguments:**
 
-    - `model`: a `HookedTransformer`.
+    - `model`: a `HookedTransformer` or a TransformerBridge (a plain HuggingFace
+      causal LM has no pattern hook point and is refused).
     - `corrupted_tokens`: `[batch, pos]` tokens of the corrupted run.
     - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`), same
       `pos`.
@@ -221,9 +254,9 @@ def get_act_patch_attn_head_pattern_all_pos(
     (`n_heads` query heads, grouped-query models included).
 
     **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
-    token ids of this model; [`PatchingError`][safelens.PatchingError] for a model, a
-    clean cache of another length or without `hook_pattern`, a metric result or a
-    limit that does not fit, naming it.
+    token ids of this model; [`PatchingError`][safelens.PatchingError] for a plain
+    HuggingFace model, a clean cache of another length or without `hook_pattern`, a
+    metric result or a limit that does not fit, naming it.
 
     ```python
     >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
@@ -236,9 +269,7 @@ def get_act_patch_attn_head_pattern_all_pos(
 
     ```
     """
-    return _setter_sweep(
-        layer_head_pattern_patch_setter,
-        "pattern",
+    return _pattern_sweep(
         ("layer", "head_index"),
         model,
         corrupted_tokens,
