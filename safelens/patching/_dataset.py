@@ -15,10 +15,22 @@ returns is a map from cell to run, and each run's per-pair values are gathered t
 it (cells a bundle pads with zeros, such as a grouped-query model's k and v rows in
 `*_every`, stay 0). Nothing is copied to the host per patch.
 
+Models: a `HookedTransformer`, a TransformerBridge or a plain HuggingFace causal LM,
+whatever the sweep takes. Each chunk's clean cache is what the sweeps read on that
+family: `model.run_with_cache(clean)`'s `ActivationCache` on a `HookedTransformer` or a
+bridge, [`run_with_patching_cache`][safelens.run_with_patching_cache]'s dict on a
+HuggingFace model. Left padding is masked as the sweeps mask a batch of prompts
+(on a HuggingFace model whose tokenizer has a pad token, a batch of several: a chunk of
+one pair runs it twice, so a pair's values do not depend on its chunk). This module
+imports nothing from TransformerLens, so it loads on TransformerLens 4 and without it.
+
 Caveat: the run numbers are float32 in the sweep's grid, exact below 2**24 runs per
-chunk of pairs (a grid of 16 million cells); larger grids are refused. The standard
-error is the sample one (`n - 1`); with one pair it is NaN, and so is the interval's
-width information (both bounds equal the value).
+chunk of pairs (a grid of 16 million cells); larger grids are refused. The chunk size
+comes from an estimate of a pair's clean cache and logits (every hook point of a
+TransformerLens cache, with an MLP 4 `d_model` wide; the five patched activations on a
+HuggingFace model), not a measurement. The standard error is the sample one (`n - 1`);
+with one pair it is NaN, and so is the interval's width information (both bounds equal
+the value).
 """
 
 from __future__ import annotations
@@ -30,12 +42,16 @@ from typing import Any
 import torch
 from jaxtyping import Float, Int
 from tqdm import tqdm
-from transformer_lens import HookedTransformer
 
+from ..backends._backend import Backend, backend_of
 from ..core._arguments import flag, positive_int
 from ..core._errors import PatchingError
 from ..core._tokens import check_tokens
-from ._inputs import DEFAULT_MAX_BYTES
+from ..experiments._prefix import token_limits
+from ._hf_sites import run_with_patching_cache
+from ._hf_sweeps import is_seam_model
+from ._limits import DEFAULT_MAX_BYTES
+from ._metric import reads_last_position
 
 __all__ = ["PatchingResult", "patch_dataset"]
 
@@ -78,7 +94,7 @@ class _RunNumbers:
         self.pairs = pairs
         self.next = first
         self.values: list[torch.Tensor] = []
-        self.last_position_only = getattr(metric, "last_position_only", False) is True
+        self.last_position_only = reads_last_position(metric)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         batch = self.pairs.numel()
@@ -101,27 +117,51 @@ class _RunNumbers:
         return numbers.float()
 
 
-def _pair_bytes(model: HookedTransformer, length: int) -> int:
-    """Bytes one pair's full clean `ActivationCache` takes, about."""
-    cfg = model.cfg
-    width = 12 * cfg.d_model + 2 * (cfg.d_mlp or 0) + 2 * cfg.n_heads * length
-    itemsize = torch.empty((), dtype=cfg.dtype).element_size()
-    return cfg.n_layers * length * width * itemsize
+def _backend(model: Any) -> Backend:
+    """`model`'s adapter (sizes, device, family), or a `PatchingError` naming what arrived."""
+    if is_seam_model(model):
+        return backend_of(model, "patch_dataset")
+    if any(
+        (cls.__module__.partition(".")[0], cls.__name__)
+        == ("transformer_lens", "HookedTransformer")
+        for cls in type(model).__mro__
+    ):
+        # Not `backend_of`, whose check refuses what only cached passes cannot run
+        # (`ungroup_grouped_query_attention`): the sweeps run every HookedTransformer.
+        from ..backends.hooked._backend import HookedBackend
+
+        return HookedBackend(model)
+    raise PatchingError(
+        f"model must be a HookedTransformer, a TransformerBridge or a HuggingFace causal LM "
+        f"(a PreTrainedModel with generate), got {type(model).__name__}; pass the model the "
+        "sweep runs on, not a submodule or a wrapper of it"
+    )
 
 
-def _tokens(model: HookedTransformer, value: Any, name: str) -> torch.Tensor:
-    tokens = check_tokens(value, model.cfg, name)
+def _pair_bytes(backend: Backend, length: int) -> int:
+    """Bytes one pair's clean cache and clean logits take, about."""
+    if backend.family == "hf":  # run_with_patching_cache: resid_pre, attn_out, mlp_out, k, v
+        width = 3 * backend.d_model + 2 * backend.n_kv_heads * backend.d_head
+    else:  # every hook point, an MLP 4 * d_model wide, attention scores and pattern
+        heads = max(1, backend.d_model // backend.d_head)
+        width = 20 * backend.d_model + 2 * heads * length
+    itemsize = torch.empty((), dtype=backend.dtype).element_size()
+    return length * (backend.n_layers * width + backend.d_vocab) * itemsize
+
+
+def _tokens(backend: Backend, value: Any, name: str) -> torch.Tensor:
+    tokens = check_tokens(value, token_limits(backend), name)
     if tokens.dim() != 2 or tokens.shape[0] == 0:
         raise PatchingError(
             f"{name} must be token ids [pairs, pos] with at least one pair, got shape "
             f"{tuple(tokens.shape)}"
         )
-    return tokens.to(model.cfg.device)
+    return tokens.to(backend.device)
 
 
 def patch_dataset(
     sweep: Callable[..., torch.Tensor],
-    model: HookedTransformer,
+    model: Any,
     clean_tokens: Int[torch.Tensor, "pairs pos"],
     corrupted_tokens: Int[torch.Tensor, "pairs pos"],
     metric: PairMetric,
@@ -146,7 +186,11 @@ def patch_dataset(
       [`get_act_patch_attn_head_k_by_pos`][safelens.get_act_patch_attn_head_k_by_pos]
       (any function taking `(model, corrupted_tokens, clean_cache, metric, *,
       max_batch, max_bytes, progress)`).
-    - `model`: a `HookedTransformer`.
+    - `model`: a `HookedTransformer`, a TransformerBridge or a plain HuggingFace
+      causal LM that `sweep` takes (on a HuggingFace model: keys, values, `resid_pre`,
+      `attn_out`, `mlp_out`). Each chunk's clean cache comes from
+      `model.run_with_cache` (`HookedTransformer`, bridge) or
+      [`run_with_patching_cache`][safelens.run_with_patching_cache] (HuggingFace).
     - `clean_tokens`, `corrupted_tokens`: `[pairs, pos]` token ids, one pair per row.
     - `metric`: `metric(logits, pairs) -> [rows]`: patched logits `[rows, pos,
       d_vocab]` and the dataset index of each row's pair `[rows]`, to one value per
@@ -162,9 +206,9 @@ def patch_dataset(
     device.
 
     **Raises:** [`TokenError`][safelens.TokenError] for token ids that do not fit the
-    model; [`PatchingError`][safelens.PatchingError] for clean and corrupted tokens of
-    different shapes, a metric that does not return one value per row, bad limits, or
-    what the sweep refuses.
+    model; [`PatchingError`][safelens.PatchingError] for a model of none of the three
+    families, clean and corrupted tokens of different shapes, a metric that does not
+    return one value per row, bad limits, or what the sweep refuses.
 
     ```python
     >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
@@ -186,10 +230,9 @@ def patch_dataset(
         raise PatchingError(f"confidence must be a float in (0, 1), got {confidence!r}")
     if not 0 < confidence < 1:
         raise PatchingError(f"confidence must be in (0, 1) (e.g. 0.95), got {confidence!r}")
-    if not isinstance(model, HookedTransformer):
-        raise PatchingError(f"model must be a HookedTransformer, got {type(model).__name__}")
-    clean = _tokens(model, clean_tokens, "clean_tokens")
-    corrupted = _tokens(model, corrupted_tokens, "corrupted_tokens")
+    backend = _backend(model)
+    clean = _tokens(backend, clean_tokens, "clean_tokens")
+    corrupted = _tokens(backend, corrupted_tokens, "corrupted_tokens")
     if clean.shape != corrupted.shape:
         raise PatchingError(
             f"clean_tokens {tuple(clean.shape)} and corrupted_tokens "
@@ -197,14 +240,14 @@ def patch_dataset(
             "each"
         )
     pairs, length = clean.shape
-    chunk = max(1, min(pairs, max_bytes // _pair_bytes(model, length)))
+    chunk = max(1, min(pairs, max_bytes // _pair_bytes(backend, length)))
     per_chunk: list[torch.Tensor] = []
     with tqdm(total=pairs, disable=not progress, desc="pairs") as bar:
         for start in range(0, pairs, chunk):
             rows = torch.arange(start, min(start + chunk, pairs), device=clean.device)
             per_chunk.append(
                 _chunk(
-                    sweep, model, clean[rows], corrupted[rows], metric, rows, max_batch, max_bytes
+                    sweep, backend, clean[rows], corrupted[rows], metric, rows, max_batch, max_bytes
                 )
             )
             bar.update(rows.numel())
@@ -214,7 +257,7 @@ def patch_dataset(
 
 def _chunk(
     sweep: Callable[..., torch.Tensor],
-    model: HookedTransformer,
+    backend: Backend,
     clean: torch.Tensor,
     corrupted: torch.Tensor,
     metric: PairMetric,
@@ -223,11 +266,20 @@ def _chunk(
     max_bytes: int,
 ) -> Float[torch.Tensor, "pairs ..."]:
     """Per-pair values `[len(rows), *grid]` of the sweep over one chunk of pairs."""
+    pad = getattr(backend.tokenizer, "pad_token_id", None)
+    if backend.family == "hf" and pad is not None and rows.numel() == 1:
+        # A HuggingFace model masks left padding in batches of several prompts only
+        # (`default_mask`): a lone pair runs twice, as it would among others.
+        clean, corrupted = clean.repeat(2, 1), corrupted.repeat(2, 1)
+    batch = clean.shape[0]
     with torch.no_grad():
-        _, clean_cache = model.run_with_cache(clean)
-        numbered = _RunNumbers(metric, rows, 1)
+        if backend.family == "hf":
+            _, clean_cache = run_with_patching_cache(backend.model, clean)
+        else:
+            _, clean_cache = backend.model.run_with_cache(clean)
+        numbered = _RunNumbers(metric, rows.repeat(batch // rows.numel()), 1)
         grid = sweep(
-            model,
+            backend.model,
             corrupted,
             clean_cache,
             numbered,
@@ -239,10 +291,11 @@ def _chunk(
         raise PatchingError(
             f"the sweep ran {numbered.next - 1} patched runs for one chunk of pairs; "
             f"patch_dataset numbers runs exactly up to {_EXACT_FLOAT32 - 1}. Patch a "
-            "smaller grid (generic_activation_patch with an index_df)"
+            "smaller grid: shorter prompts, or generic_activation_patch with an index_df "
+            "on a HookedTransformer"
         )
-    values = torch.cat([torch.zeros(1, rows.numel(), device=grid.device)] + numbered.values)
-    return values[grid.long()].movedim(-1, 0)
+    values = torch.cat([torch.zeros(1, batch, device=grid.device)] + numbered.values)
+    return values[grid.long()].movedim(-1, 0)[: rows.numel()]
 
 
 def _summary(
