@@ -28,6 +28,7 @@ ANY_BACKEND = (
     ".patching._hf_sites",
     ".patching._every",
     ".patching._patterns",
+    ".patching._dataset",
 )
 HOOKED_ONLY = {
     name
