@@ -73,6 +73,14 @@ def batched(logits: torch.Tensor) -> torch.Tensor:
     return (logits[:, -1, ANSWER] - logits[:, -1, WRONG]).reshape(-1, 2).mean(-1)
 
 
+def last_position(logits: torch.Tensor) -> torch.Tensor:
+    """`batched`, saying that it reads only the last position (the sweeps' shortcut)."""
+    return batched(logits)
+
+
+last_position.last_position_only = True  # type: ignore[attr-defined]
+
+
 def prompts() -> tuple[torch.Tensor, torch.Tensor]:
     """(clean, corrupted) prompts, 2 rows of 6 tokens, differing at positions 2 and 4."""
     clean = ids(2, 6, seed=3)
@@ -118,6 +126,8 @@ def test_bridge_pattern_sweeps_equal_transformer_lens_patching(name):
         assert got.shape == expected.shape == (2, 4, *((6,) if "by_pos" in sweep else ()))
         assert (got - expected).abs().max() <= TOL, sweep
         assert (got - unpatched).abs().max() > 0.1, sweep  # the patches matter
+        last = getattr(safelens, sweep)(lm, corrupted, clean_cache, last_position, progress=False)
+        assert (last - expected).abs().max() <= TOL, sweep
     got = safelens.get_act_patch_attn_head_pattern_dest_src_pos(
         lm, corrupted, clean_cache, batched, progress=False
     )
@@ -176,6 +186,8 @@ def test_bridge_bundles_equal_transformer_lens_bundles(name, bundle):
     unpatched = float(metric(lm(corrupted)))
     got = getattr(safelens, bundle)(lm, corrupted, clean_cache, batched, progress=False)
     expected = getattr(patching, bundle)(lm, corrupted, clean_cache, metric)
+    last = getattr(safelens, bundle)(lm, corrupted, clean_cache, last_position, progress=False)
+    assert (last - expected).abs().max() <= TOL  # with the last-position shortcuts
     assert got.shape == expected.shape
     assert got.shape[:2] == ((3, 2) if bundle == BUNDLES[0] else (5, 2))
     for row in range(got.shape[0]):
@@ -313,6 +325,10 @@ def test_hf_block_every_equals_a_loop_of_hooked_forwards(name):
     expected = block_every_by_hooked_forwards(lm, clean, corrupted)
     assert got.shape == (3, 2, 6)
     assert (got - expected).abs().max() <= TOL
+    last = safelens.get_act_patch_block_every(
+        lm, corrupted, clean_cache, last_position, progress=False
+    )
+    assert (last - expected).abs().max() <= TOL
     for row in got:
         assert (row - row.flatten()[0]).abs().max() > 0.05  # each row's patches matter
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in lm.modules())

@@ -121,6 +121,8 @@ def _put(
     target[0], source[0] = rows, clean_rows
     if pos.numel():
         target[site.pos_axis], source[site.pos_axis] = pos - start, pos
+    else:  # every position: those the pass runs (the last alone, in `_passes`' last group)
+        source[site.pos_axis] = slice(start, None)
     if head.numel():
         target[site.head_axis], source[site.head_axis] = head, head
     if src.numel():  # a pattern's source positions, after its destination positions
