@@ -211,10 +211,10 @@ def patch_dataset(
     return one value per row, bad limits, or what the sweep refuses.
 
     ```python
-    >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
     >>> from safelens import get_act_patch_resid_pre
-    >>> cfg = HookedTransformerConfig(n_layers=2, d_model=16, n_ctx=8, d_head=4, n_heads=4, d_vocab=11, act_fn="gelu")
-    >>> model = HookedTransformer(cfg)
+    >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32,
+    ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=11))
     >>> clean, corrupted = torch.tensor([[1, 2, 3], [4, 2, 3]]), torch.tensor([[1, 5, 3], [4, 6, 3]])
     >>> metric = lambda logits, pairs: logits[:, -1, 0] - logits[:, -1, 1]
     >>> result = patch_dataset(get_act_patch_resid_pre, model, clean, corrupted, metric, progress=False)
