@@ -59,7 +59,8 @@ def demo_task(seed: int = 0):
         import _induction
     finally:
         sys.path.remove(str(EXAMPLES))
-    model, data, _, _ = _induction.train_induction_model(seed)
+    model, data, steps, accuracy = _induction.train_induction_model(seed)
+    print(f"the demo's model: {steps} training steps, held-out repeat accuracy {accuracy:.3f}")
     with torch.no_grad():
         clean_logits, clean_cache = model.run_with_cache(data.clean)
         metric = _induction.AnswerLogProb(clean_logits, model(data.corrupted), data.answers)
@@ -275,12 +276,12 @@ def accuracy(quick: bool = False, figures: Path | None = None) -> None:
 
     The trained model is the demo's (trained in full even when `quick`: about 10 s).
     """
+    model, case, labels = demo_task()
     print(
         "| model | grid, method | Spearman | Spearman, cells with effect | recall@20 | "
         "recall@50 | cells with effect | max abs error | max abs effect |"
     )
     print("| --- " * 9 + "|")
-    model, case, labels = demo_task()
     _print_agreement("trained induction (demo)", agreement(model, *case))
     randoms = [] if quick else [0, 1]
     for seed in randoms:
