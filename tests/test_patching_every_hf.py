@@ -6,7 +6,8 @@ full grid is slow); on a plain HuggingFace model, one torch-hooked uncached forw
 patch, without safelens. The models here (Llama: rotary, grouped-query; GPT-2: one fused
 qkv projection) have weights drawn with std 0.2, not `hf_models`' 0.02, so their
 attention patterns differ between prompts and each patch type moves the metric by far
-more than the tolerance. Runs on TransformerLens 3.9 and 4.x.
+more than the tolerance; an OPT bridge, whose attention is HuggingFace's own, is the
+bridge pattern sweeps refuse. Runs on TransformerLens 3.9 and 4.x.
 """
 
 from __future__ import annotations
@@ -57,10 +58,25 @@ def sharp_bridge(name: str) -> TransformerBridge:
 
 
 def _sharp(name: str) -> torch.nn.Module:
-    config = CONFIGS[name](2)
+    config = CONFIGS[name](2) if name in CONFIGS else OPT
     config.initializer_range = 0.2
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+# TransformerLens' OPT adapter runs HuggingFace's own attention (a plain AttentionBridge)
+OPT = transformers.OPTConfig(
+    vocab_size=50,
+    hidden_size=32,
+    ffn_dim=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    word_embed_proj_dim=32,
+    max_position_embeddings=64,
+    bos_token_id=0,
+    pad_token_id=None,
+    eos_token_id=None,
+)
 
 
 def metric(logits: torch.Tensor) -> torch.Tensor:
@@ -88,6 +104,11 @@ def prompts() -> tuple[torch.Tensor, torch.Tensor]:
     corrupted[:, 2] = 9
     corrupted[:, 4] = 11
     return clean, corrupted
+
+
+def hook_state(lm: TransformerBridge) -> dict[str, tuple[int, ...]]:
+    """The ids of the forward hooks on each of a bridge's hook points."""
+    return {name: tuple(point._forward_hooks) for name, point in lm.hook_dict.items()}
 
 
 def forward_counter(lm: torch.nn.Module) -> tuple[list[int], torch.utils.hooks.RemovableHandle]:
@@ -148,6 +169,21 @@ def test_bridge_pattern_sweeps_equal_transformer_lens_patching(name):
     assert (got[:, :, above] - unpatched).abs().max() <= TOL  # zero in both runs
 
 
+def test_pattern_sweeps_refuse_a_bridge_whose_attention_ignores_hook_pattern():
+    lm = sharp_bridge("opt")
+    clean, corrupted = prompts()
+    _, clean_cache = lm.run_with_cache(clean)
+    hooks = hook_state(lm)  # TransformerLens 4's OPT adapter has hooks of its own
+    unused = (
+        r"patches blocks.0.attn.hook_pattern, which this bridge's attention \(AttentionBridge\) "
+        "does not use: zeroing the hook's tensor left the logits as they were"
+    )
+    for sweep in (*PATTERNS, *BUNDLES[1:]):
+        with pytest.raises(PatchingError, match=rf"{sweep} {unused}"):
+            getattr(safelens, sweep)(lm, corrupted, clean_cache, batched, progress=False)
+    assert hook_state(lm) == hooks
+
+
 def test_bridge_pattern_sweep_takes_a_transformer_lens_metric_and_max_batch():
     lm = sharp_bridge("llama")
     clean, corrupted = prompts()
@@ -162,6 +198,7 @@ def test_bridge_pattern_sweeps_batch_patches_and_leave_no_hooks():
     lm = sharp_bridge("gpt2")
     clean, corrupted = prompts()
     _, clean_cache = lm.run_with_cache(clean)
+    hooks = hook_state(lm)
     passes, handle = forward_counter(lm)
     try:
         safelens.get_act_patch_attn_head_pattern_dest_src_pos(
@@ -170,7 +207,7 @@ def test_bridge_pattern_sweeps_batch_patches_and_leave_no_hooks():
     finally:
         handle.remove()
     assert 2 * 4 * 6 * 6 > 20 * len(passes)  # 288 patches, many per pass
-    assert all(not point._forward_hooks for point in lm.hook_dict.values())
+    assert hook_state(lm) == hooks
 
 
 # -- the *_every bundles on a bridge ------------------------------------------------------

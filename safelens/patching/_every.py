@@ -45,6 +45,7 @@ from ..core._errors import PatchingError
 from ._hf_sites import TL_NAMES, _tokens, site_of
 from ._hf_sweeps import _clean, is_seam_model
 from ._patterns import (
+    _check_pattern_hook,
     get_act_patch_attn_head_pattern_all_pos,
     get_act_patch_attn_head_pattern_by_pos,
 )
@@ -83,6 +84,8 @@ def _check_seam_model(
     """
     backend = backend_of(model, bundle)
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
+    if "pattern" in activations:
+        _check_pattern_hook(model, tokens, bundle)
     for activation in activations:
         try:
             site = site_of(backend, activation)
@@ -269,9 +272,10 @@ def get_act_patch_attn_head_all_pos_every(
 
     **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
     token ids of this model; [`PatchingError`][safelens.PatchingError] for a plain
-    HuggingFace model, a clean cache missing an activation or of another length, a
-    model, metric result or limit that does not fit, naming it (a HuggingFace model and
-    what the clean cache lacks, before any sweep runs).
+    HuggingFace model, a bridge whose attention does not use `hook_pattern` (see
+    `safelens.patching._patterns`), a clean cache missing an activation or of another
+    length, a model, metric result or limit that does not fit, naming it; the model
+    and the clean cache are checked before any sweep runs.
 
     ```python
     >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
@@ -340,9 +344,10 @@ def get_act_patch_attn_head_by_pos_every(
 
     **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
     token ids of this model; [`PatchingError`][safelens.PatchingError] for a plain
-    HuggingFace model, a clean cache missing an activation or of another length, a
-    model, metric result or limit that does not fit, naming it (a HuggingFace model and
-    what the clean cache lacks, before any sweep runs).
+    HuggingFace model, a bridge whose attention does not use `hook_pattern` (see
+    `safelens.patching._patterns`), a clean cache missing an activation or of another
+    length, a model, metric result or limit that does not fit, naming it; the model
+    and the clean cache are checked before any sweep runs.
 
     ```python
     >>> from transformer_lens import HookedTransformer, HookedTransformerConfig

@@ -17,19 +17,26 @@ TransformerLens 4, which removed `HookedTransformer`.
 
 Caveat: on a `HookedTransformer` a pattern spans every key position, so every patched
 run runs every position (the cost of a plain forward pass each, batched). On a bridge a
-patch takes effect only where the bridge's attention feeds what its `hook_pattern`
-returns into the head outputs, as TransformerLens' own patching on the bridge does (its
-Llama-style rotary and GPT-2 attention do).
+patch takes effect only where the bridge's attention computes its output from what
+`hook_pattern` returns, as TransformerLens' Llama-style (rotary, grouped-query) and
+GPT-2 attention do; a bridge that runs HuggingFace's own attention (TransformerLens'
+OPT adapter, for one) fires the hook after the output is computed, or not at all, and
+is refused: before each sweep, one pass of `n_layers + 1` copies of the first corrupted
+prompt zeroes each layer's pattern in one copy, and every layer must change the logits.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from jaxtyping import Float, Int
 
+from ..backends._backend import backend_of
+from ..core._errors import PatchingError
+from ._hf_sites import _tokens
 from ._hf_sweeps import is_seam_model, seam_patch
 from ._sweeps import DEFAULT_MAX_BYTES, Metric, generic_activation_patch
 
@@ -45,7 +52,53 @@ __all__ = [
 Setter = Callable[[torch.Tensor, Sequence[int], torch.Tensor], torch.Tensor]
 
 
+def _check_pattern_hook(model: Any, corrupted_tokens: Any, what: str) -> None:
+    """On a bridge, a `PatchingError` naming the first layer whose attention ignores `hook_pattern`.
+
+    One pass of `n_layers + 1` copies of the first corrupted prompt: in copy `l + 1`,
+    layer `l`'s `hook_pattern` returns zeros; where its logits stay copy 0's (within a
+    few float steps), that layer's attention does not use what the hook returns, or
+    never fires it (a bridge that runs HuggingFace's own attention).
+    """
+    backend = backend_of(model, what)
+    if backend.family != "bridge":
+        return
+    tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")[:1]
+    n_layers = backend.n_layers
+
+    def zeroed(layer: int) -> Callable[..., torch.Tensor]:
+        def hook(pattern: torch.Tensor, hook: Any = None) -> torch.Tensor:
+            pattern = pattern.clone()
+            pattern[layer + 1] = 0
+            return pattern
+
+        return hook
+
+    names = [f"blocks.{layer}.attn.hook_pattern" for layer in range(n_layers)]
+    with torch.no_grad(), warnings.catch_warnings():
+        # TransformerLens 4 warns of what this pass tests, where it holds
+        warnings.filterwarnings("ignore", "A hook on .*hook_pattern returned a modified tensor")
+        logits = model.run_with_hooks(
+            tokens.repeat(n_layers + 1, 1),
+            fwd_hooks=[(name, zeroed(layer)) for layer, name in enumerate(names)],
+        )
+    bound = 8 * torch.finfo(logits.dtype).eps * (1 + float(logits[0].abs().max()))
+    for layer, name in enumerate(names):
+        if float((logits[layer + 1] - logits[0]).abs().max()) <= bound:
+            attention = type(model.blocks[layer].attn).__name__
+            raise PatchingError(
+                f"{what} patches {name}, which this bridge's attention ({attention}) does "
+                "not use: zeroing the hook's tensor left the logits as they were (the "
+                "bridge runs HuggingFace's own attention and fires the hook, if at all, "
+                "after it), so every pattern patch would give the corrupted run's metric. "
+                "Pattern sweeps need a bridge whose attention computes the pattern through "
+                "the hook, as TransformerLens' Llama-style and GPT-2 attention do; sweep "
+                "z, q, k or v here instead"
+            )
+
+
 def _pattern_sweep(
+    sweep: str,
     index_axis_names: tuple[AxisNames, ...],
     model: torch.nn.Module,
     corrupted_tokens: torch.Tensor,
@@ -63,6 +116,7 @@ def _pattern_sweep(
     by_pos = "dest_pos" in index_axis_names
     by_src = "src_pos" in index_axis_names
     if is_seam_model(model):
+        _check_pattern_hook(model, corrupted_tokens, sweep)
         swept = seam_patch(
             "pattern",
             by_pos,
@@ -135,8 +189,9 @@ def get_act_patch_attn_head_pattern_by_pos(
 
     **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
     token ids of this model; [`PatchingError`][safelens.PatchingError] for a plain
-    HuggingFace model, a clean cache of another length or without `hook_pattern`, a
-    metric result or a limit that does not fit, naming it.
+    HuggingFace model, a bridge whose attention does not use `hook_pattern` (module
+    notes), a clean cache of another length or without `hook_pattern`, a metric result
+    or a limit that does not fit, naming it.
 
     ```python
     >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
@@ -150,6 +205,7 @@ def get_act_patch_attn_head_pattern_by_pos(
     ```
     """
     return _pattern_sweep(
+        "get_act_patch_attn_head_pattern_by_pos",
         ("layer", "head_index", "dest_pos"),
         model,
         corrupted_tokens,
@@ -196,8 +252,9 @@ def get_act_patch_attn_head_pattern_dest_src_pos(
 
     **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
     token ids of this model; [`PatchingError`][safelens.PatchingError] for a plain
-    HuggingFace model, a clean cache of another length or without `hook_pattern`, a
-    metric result or a limit that does not fit, naming it.
+    HuggingFace model, a bridge whose attention does not use `hook_pattern` (module
+    notes), a clean cache of another length or without `hook_pattern`, a metric result
+    or a limit that does not fit, naming it.
 
     ```python
     >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
@@ -211,6 +268,7 @@ def get_act_patch_attn_head_pattern_dest_src_pos(
     ```
     """
     return _pattern_sweep(
+        "get_act_patch_attn_head_pattern_dest_src_pos",
         ("layer", "head_index", "dest_pos", "src_pos"),
         model,
         corrupted_tokens,
@@ -255,8 +313,9 @@ def get_act_patch_attn_head_pattern_all_pos(
 
     **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
     token ids of this model; [`PatchingError`][safelens.PatchingError] for a plain
-    HuggingFace model, a clean cache of another length or without `hook_pattern`, a
-    metric result or a limit that does not fit, naming it.
+    HuggingFace model, a bridge whose attention does not use `hook_pattern` (module
+    notes), a clean cache of another length or without `hook_pattern`, a metric result
+    or a limit that does not fit, naming it.
 
     ```python
     >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
@@ -270,6 +329,7 @@ def get_act_patch_attn_head_pattern_all_pos(
     ```
     """
     return _pattern_sweep(
+        "get_act_patch_attn_head_pattern_all_pos",
         ("layer", "head_index"),
         model,
         corrupted_tokens,
