@@ -22,10 +22,11 @@ Models: every sweep dispatches on the model itself, so a bundle takes what its s
 take. A `HookedTransformer` and a TransformerBridge run all three bundles; a plain
 HuggingFace causal LM runs `get_act_patch_block_every` (its decoder layers' inputs,
 attention and MLP outputs, see `safelens.patching._hf_sites`) and is refused the head
-bundles, whose q, z and pattern sweeps have no hook point there. On a bridge the k row
-patches keys after the rotary embedding (the same patch as TransformerLens'
-`attn.hook_k` at one position, for every position at once in the `*_all_pos` bundle
-too), and the clean cache is `bridge.run_with_cache`'s; on a HuggingFace model it is
+bundles, whose q, z and pattern sweeps have no hook point there. What differs on a
+bridge: the k row patches keys after the rotary embedding (at every position the same
+patch as TransformerLens' `attn.hook_k`), the pattern row is refused on a bridge whose
+attention does not use `hook_pattern` (see `safelens.patching._patterns`), and the
+clean cache is `bridge.run_with_cache`'s; on a HuggingFace model it is
 [`run_with_patching_cache`][safelens.run_with_patching_cache]'s. Whatever the model,
 the clean cache is checked for every activation the bundle patches before its first
 sweep runs. This module imports nothing from TransformerLens, so it loads on
