@@ -6,8 +6,8 @@ full grid is slow); on a plain HuggingFace model, one torch-hooked uncached forw
 patch, without safelens. The models here (Llama: rotary, grouped-query; GPT-2: one fused
 qkv projection) have weights drawn with std 0.2, not `hf_models`' 0.02, so their
 attention patterns differ between prompts and each patch type moves the metric by far
-more than the tolerance; an OPT bridge, whose attention is HuggingFace's own, is the
-bridge pattern sweeps refuse. Runs on TransformerLens 3.9 and 4.x.
+more than the tolerance. Pattern sweeps refuse an OPT bridge, whose attention is
+HuggingFace's own. Runs on TransformerLens 3.9 and 4.x.
 """
 
 from __future__ import annotations
@@ -58,25 +58,26 @@ def sharp_bridge(name: str) -> TransformerBridge:
 
 
 def _sharp(name: str) -> torch.nn.Module:
-    config = CONFIGS[name](2) if name in CONFIGS else OPT
+    config = CONFIGS[name](2) if name in CONFIGS else _opt_config(2)
     config.initializer_range = 0.2
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-# TransformerLens' OPT adapter runs HuggingFace's own attention (a plain AttentionBridge)
-OPT = transformers.OPTConfig(
-    vocab_size=50,
-    hidden_size=32,
-    ffn_dim=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    word_embed_proj_dim=32,
-    max_position_embeddings=64,
-    bos_token_id=0,
-    pad_token_id=None,
-    eos_token_id=None,
-)
+def _opt_config(layers: int) -> transformers.OPTConfig:
+    """OPT, whose TransformerLens adapter runs HuggingFace's own attention (an AttentionBridge)."""
+    return transformers.OPTConfig(
+        vocab_size=50,
+        hidden_size=32,
+        ffn_dim=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        word_embed_proj_dim=32,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        pad_token_id=None,
+        eos_token_id=None,
+    )
 
 
 def metric(logits: torch.Tensor) -> torch.Tensor:
