@@ -9,7 +9,8 @@ A patched run needs only what its metric reads and what its patch can change:
 - *Last position only.* A metric that says it reads only the last position's logits
   (`metric.last_position_only`, as [`logit_diff_metric`][safelens.logit_diff_metric]'s
   does) gets `[rows, 1, d_vocab]`: the last layer's MLP runs the last position alone
-  (unless the sweep patches `mlp_out`), and only that position is unembedded. Both
+  (when the sweep patches a site before it, `_BEFORE_MLP`), and only that position is
+  unembedded. Both
   are PyTorch forward pre-hooks that keep the last position of their module's input
   (the MLP's output is then added to every position of the residual stream; only the
   last is read), acting in the sweep's thread only.
@@ -45,6 +46,8 @@ from ._metric import reads_last_position
 
 __all__ = ["Shortcuts", "captured"]
 
+# Sites whose patch at the last layer sits before that layer's MLP.
+_BEFORE_MLP = frozenset({"k", "v", "q", "z", "pattern", "resid_pre", "resid_mid", "attn_out"})
 # Tolerance of the check, relative to the largest logit: float32 (and wider), else half.
 _TOLERANCE = {True: 1e-4, False: 3e-2}
 
@@ -161,7 +164,7 @@ class Shortcuts:
         )
         trims = last_only and isinstance(_unembedding(backend), torch.nn.Module)
         mlp = getattr(_decoder_layers(backend.model, n_layers)[1][-1], "mlp", None)
-        trim_mlp = activation != "mlp_out" and isinstance(mlp, torch.nn.Module)
+        trim_mlp = activation in _BEFORE_MLP and isinstance(mlp, torch.nn.Module)
         for skip, trim in dict.fromkeys([(skips, trims), (skips, False), (False, trims)]):
             chosen = cls(backend, residuals, forms, skip, last_only, trim, trim and trim_mlp)
             if (skip or trim) and _holds(check, chosen):

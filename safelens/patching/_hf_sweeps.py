@@ -44,7 +44,7 @@ from ._hf_sites import Site, _tokens, residual_input, site_of
 from ._limits import _check_limits
 from ._metric import Metric, _Metric
 
-__all__ = ["is_seam_model", "seam_patch"]
+__all__ = ["Editor", "Run", "is_seam_model", "run_sweep", "seam_patch"]
 
 # Runs patched at positions `p0 … p0 + span - 1` share one pass that starts at `p0`.
 _SPANS = (1, 2, 4, 8, 16)
@@ -54,7 +54,7 @@ _OWN_POSITION = frozenset({"q", "z", "attn_out", "resid_mid", "mlp_out"})
 # CPU estimate; it only sets how runs are grouped into passes).
 _OVERHEAD = {"bridge": (1.5e8, 6e7), "hf": (6e7, 2e7)}
 # (slot in the result, layer, position or None, head or None, source position or None)
-_Run = tuple[int, int, "int | None", "int | None", "int | None"]
+Run = tuple[int, int, "int | None", "int | None", "int | None"]
 
 
 def is_seam_model(model: Any) -> bool:
@@ -170,21 +170,46 @@ def seam_patch(
         _clean(backend, site, clean_cache, layer, batch, length)
         for layer in range(backend.n_layers)
     ]
-    if backend.family == "bridge":
-        mask = torch.ones_like(tokens, dtype=torch.long)
-    else:
-        mask = backend.default_mask(tokens).to(tokens.device)
     shape = (
         backend.n_layers,
         *((length,) if by_pos else ()),
         *((length,) if by_src else ()),
         *((site.heads,) if with_head else ()),
     )
-    runs: list[_Run] = []
+    runs: list[Run] = []
     for slot, index in enumerate(itertools.product(*map(range, shape))):
         pos = index[1] if by_pos else None
         src = index[2] if by_src else None
         runs.append((slot, index[0], pos, index[-1] if with_head else None, src))
+    return run_sweep(
+        backend, site, tokens, clean, runs, shape, patching_metric, max_batch, max_bytes, progress
+    )
+
+
+# How a generic sweep edits one layer's activation: `(layer, [(run's place in its pass,
+# run)]) -> edit`; `None` for the sweeps' own patches.
+Editor = Callable[[int, list[tuple[int, "Run"]]], Callable[[torch.Tensor], torch.Tensor]]
+
+
+def run_sweep(
+    backend: Backend,
+    site: Site,
+    tokens: torch.Tensor,
+    clean: list[torch.Tensor],
+    runs: list[Run],
+    shape: tuple[int, ...],
+    patching_metric: Metric,
+    max_batch: int | None,
+    max_bytes: int,
+    progress: bool,
+    editor: Editor | None = None,
+) -> torch.Tensor:
+    """The metric of every run of `runs` at its slot of a `shape` result (module notes)."""
+    batch, length = tokens.shape
+    if backend.family == "bridge":
+        mask = torch.ones_like(tokens, dtype=torch.long)
+    else:
+        mask = backend.default_mask(tokens).to(tokens.device)
     out = torch.zeros(shape, device=backend.device)
     flat = out.view(-1)
     scored = _Metric(patching_metric, batch)
@@ -193,7 +218,7 @@ def seam_patch(
         with captured(backend) as (inputs, forms):
             corrupted_logits = backend.forward(tokens, mask, corrupted)
         corrupted.freeze()
-        pass_ = _Pass(backend, site, tokens, mask, corrupted, clean)
+        pass_ = _Pass(backend, site, tokens, mask, corrupted, clean, editor)
 
         def check(shortcuts: Shortcuts, first: int, start: int) -> bool:
             logits = pass_.logits(shortcuts, [], first, start, 1)
@@ -204,7 +229,7 @@ def seam_patch(
                 logits.shape == expected.shape and float((logits - expected).abs().max()) <= bound
             )
 
-        shortcuts = Shortcuts.of(backend, activation, patching_metric, inputs, forms, check)
+        shortcuts = Shortcuts.of(backend, site.activation, patching_metric, inputs, forms, check)
         with tqdm(total=len(runs), disable=not progress, desc="patching") as bar:
             for first, start, group in _passes(backend, site, shortcuts, runs, length, batch):
                 rows = _rows_limit(backend, site.heads or 1, length - start, length, max_bytes)
@@ -226,10 +251,10 @@ def _passes(
     backend: Backend,
     site: Site,
     shortcuts: Shortcuts,
-    runs: list[_Run],
+    runs: list[Run],
     length: int,
     batch: int,
-) -> list[tuple[int, int, list[_Run]]]:
+) -> list[tuple[int, int, list[Run]]]:
     """The sweep's passes `(first layer, first position, runs)`, cheapest by a cost model.
 
     Runs start at the layer of their patch (when the shortcut holds) and at their
@@ -255,7 +280,7 @@ def _passes(
     d_mlp = getattr(config, "intermediate_size", None) or 4 * d_model
     per_position = d_model * (4 * d_model + 3 * d_mlp)
     once, per_layer = _OVERHEAD.get(backend.family, _OVERHEAD["hf"])
-    by_layer: dict[int, list[_Run]] = {}
+    by_layer: dict[int, list[Run]] = {}
     for run in runs:
         by_layer.setdefault(shortcuts.first_layer(run[1]), []).append(run)
     for first, group in sorted(by_layer.items()):
@@ -273,9 +298,9 @@ def _passes(
     return passes
 
 
-def _grouped(runs: list[_Run], span: int) -> dict[int, list[_Run]]:
+def _grouped(runs: list[Run], span: int) -> dict[int, list[Run]]:
     """`runs` by the position their pass starts at: theirs, rounded down to a multiple of `span`."""
-    starts: dict[int, list[_Run]] = {}
+    starts: dict[int, list[Run]] = {}
     for run in runs:
         start = run[2] - run[2] % span if run[2] is not None else 0
         starts.setdefault(start, []).append(run)
@@ -293,12 +318,13 @@ class _Pass:
         mask: torch.Tensor,
         corrupted: Any,
         clean: list[torch.Tensor],
+        editor: Editor | None = None,
     ) -> None:
         self.backend, self.site, self.tokens, self.mask = backend, site, tokens, mask
-        self.corrupted, self.clean = corrupted, clean
+        self.corrupted, self.clean, self.editor = corrupted, clean, editor
 
     def logits(
-        self, shortcuts: Shortcuts, chunk: list[_Run], first: int, start: int, runs: int
+        self, shortcuts: Shortcuts, chunk: list[Run], first: int, start: int, runs: int
     ) -> torch.Tensor:
         """Logits of `runs` patched runs (`chunk`; none: unpatched) from layer `first`, position `start`.
 
@@ -336,6 +362,10 @@ class _Pass:
                 )
             ]  # an own-position patch before the last position changes nothing read there
             if not at:
+                continue
+            if self.editor is not None:
+                hooks[layer] = site.hook(layer)
+                edits[layer] = self.editor(layer, [(i, chunk[i]) for i in at])
                 continue
             offsets = torch.arange(batch, device=device)
             row = (torch.tensor(at, device=device)[:, None] * batch + offsets).reshape(-1)

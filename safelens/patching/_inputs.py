@@ -28,6 +28,7 @@ from transformer_lens.utilities import get_act_name
 from ..core._errors import PatchingError
 from ..core._tokens import check_tokens
 from ._grid import CorruptedRun, Metric, Patcher, Run, sweep
+from ._index import check_setter_result, index_grid
 from ._limits import DEFAULT_MAX_BYTES
 from ._limits import _check_limits as _check_limits
 
@@ -154,76 +155,20 @@ class _Sweep:
         )
 
 
-def _check_index_choice(index_axis_names: Any, index_df: Any) -> None:
-    """A `PatchingError` unless exactly one is given, `index_df` as a DataFrame."""
-    if (index_df is None) == (index_axis_names is None):
-        raise PatchingError(
-            "pass exactly one of index_axis_names (a tuple such as ('layer', 'pos')) and "
-            f"index_df; got index_axis_names={index_axis_names!r} and "
-            f"index_df={'a DataFrame' if index_df is not None else None}"
-        )
-    if index_df is not None and not isinstance(index_df, pd.DataFrame):
-        raise PatchingError(
-            f"index_df must be a pandas DataFrame of indices, got {type(index_df).__name__}"
-        )
-
-
 def _index_grid(
     sweep: _Sweep, index_axis_names: Sequence[str] | None, index_df: pd.DataFrame | None
 ) -> tuple[pd.DataFrame, tuple[int, ...]]:
-    """The checked index rows of a generic sweep, and the shape of its result."""
+    """The checked index rows of a generic sweep on `sweep`'s model, and the result's shape."""
     sizes = {"layer": sweep.model.cfg.n_layers, "pos": sweep.length, "src_pos": sweep.length}
     sizes |= {"dest_pos": sweep.length, "head_index": sweep.heads(), "head": sweep.heads()}
-    if index_df is not None:
-        _check_index_df(index_df, sizes)
-        return index_df, (len(index_df),)
-    assert index_axis_names is not None
-    unknown = [name for name in index_axis_names if name not in sizes]
-    if unknown:
-        raise PatchingError(f"index_axis_names {unknown} unknown; allowed: {sorted(sizes)}")
-    shape = tuple(sizes[name] for name in index_axis_names)
-    return pd.DataFrame(_grid(shape), columns=list(index_axis_names)), shape
-
-
-def _check_index_df(index_df: pd.DataFrame, sizes: dict[str, int]) -> None:
-    """A `PatchingError` unless every column holds integer indices within its axis."""
-    if not len(index_df.columns):
-        raise PatchingError("index_df has no columns; the first column must be the layer")
-    for number, column in enumerate(index_df.columns):
-        values = index_df[column]
-        if not pd.api.types.is_integer_dtype(values) or pd.api.types.is_bool_dtype(values):
-            raise PatchingError(
-                f"index_df column {column!r} holds {values.dtype}; expected integer indices "
-                "(index_df.astype(int) if they are whole numbers)"
-            )
-        name = "layer" if number == 0 else column
-        if name not in sizes or not len(values):
-            continue
-        size = sizes[name]
-        low = 0 if name == "layer" else -size
-        bad = values[(values < low) | (values >= size)]
-        if len(bad):
-            raise PatchingError(
-                f"index_df column {column!r} holds {int(bad.iloc[0])}; expected a {name} "
-                f"index in [{low}, {size}) for this model and corrupted_tokens"
-            )
+    return index_grid(sizes, index_axis_names, index_df)
 
 
 def _check_patched(
     patched: Any, full: torch.Tensor, before: torch.Tensor, start: int, run: Run
 ) -> None:
     """A `PatchingError` unless `patched` fits `full` and keeps positions before `start`."""
-    if not isinstance(patched, torch.Tensor) or patched.shape != full.shape:
-        got = (
-            f"shape {tuple(patched.shape)}"
-            if isinstance(patched, torch.Tensor)
-            else type(patched).__name__
-        )
-        raise PatchingError(
-            f"patch_setter returned {got} for index {list(run.index)}; expected the "
-            f"activation it was given, shape {tuple(full.shape)} (or None after editing "
-            "it in place)"
-        )
+    check_setter_result(patched, full, list(run.index))
     if start and not torch.equal(patched[:, :start], before[:, :start]):
         raise PatchingError(
             f"patch_setter changed positions before {start} for index {list(run.index)}, "
@@ -231,9 +176,3 @@ def _check_patched(
             "before each index's pos. Give each row the first position its patch changes "
             "as pos, or leave pos out of the index columns"
         )
-
-
-def _grid(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Every index of `shape` in row-major order (the last axis fastest)."""
-    grid = torch.cartesian_prod(*(torch.arange(n) for n in shape)).reshape(-1, len(shape))
-    return [tuple(row) for row in grid.tolist()]

@@ -47,7 +47,6 @@ import pandas as pd
 import torch
 from jaxtyping import Int
 
-from ..core._errors import PatchingError
 from ._hf_sites import TL_NAMES, TL_NAMES_ON_HF
 from ._hf_sweeps import is_seam_model, seam_patch
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
@@ -115,11 +114,11 @@ def _all_pos_patcher(sweep: _Sweep) -> Callable[..., None]:
 
 def _grid_runs(shape: tuple[int, ...], pos_axis: int | None) -> list[Run]:
     from ._grid import Run
-    from ._inputs import _grid
+    from ._index import grid
 
     return [
         Run(index[0], index[pos_axis] if pos_axis is not None else 0, slot, index)
-        for slot, index in enumerate(_grid(shape))
+        for slot, index in enumerate(grid(shape))
     ]
 
 
@@ -174,7 +173,9 @@ def generic_activation_patch(
     clean_activation)` is called once per patch on that run's full-length activation
     `[batch, pos, …]`, and returns it patched (or `None` after editing it in place).
     Patches of `rot_k`, `attn_scores` or `pattern`, whose tensors span every key
-    position, always run every position.
+    position, always run every position. On a TransformerBridge the setter runs on the
+    bridge's own hook points, every position of each run (`safelens.patching._hf_generic`);
+    a plain HuggingFace model is refused.
 
     **Arguments:**
 
@@ -207,16 +208,28 @@ def generic_activation_patch(
     ```
     """
     if is_seam_model(model):
-        raise PatchingError(
-            f"generic_activation_patch needs a HookedTransformer, got {type(model).__name__}; "
-            "on a TransformerBridge or a HuggingFace model use the get_act_patch_* sweeps, "
-            "or on a bridge transformer_lens.patching.generic_activation_patch"
+        from ._hf_generic import seam_generic
+
+        swept, index_df = seam_generic(
+            model,
+            corrupted_tokens,
+            clean_cache,
+            patching_metric,
+            patch_setter,
+            activation_name,
+            index_axis_names,
+            index_df,
+            max_batch,
+            max_bytes,
+            progress,
         )
+        return (swept, index_df) if return_index_df else swept
     from ._grid import Run
-    from ._inputs import _check_index_choice, _check_patched, _index_grid, _Sweep
+    from ._index import check_index_choice
+    from ._inputs import _check_patched, _index_grid, _Sweep
 
     _check_limits(max_batch, max_bytes, progress)
-    _check_index_choice(index_axis_names, index_df)
+    check_index_choice(index_axis_names, index_df)
     sweep = _Sweep(model, corrupted_tokens, clean_cache, activation_name)
     index_df, shape = _index_grid(sweep, index_axis_names, index_df)
     columns = list(index_df.columns)
