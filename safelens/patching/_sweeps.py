@@ -12,8 +12,9 @@ Every input is checked before the first patched run (see `safelens.patching._inp
 Models: a `HookedTransformer` runs here. A TransformerBridge or a HuggingFace causal LM
 goes to `safelens.patching._hf_sweeps` (the sweeps of this module but `resid_mid`, `q`
 and `z` on plain HuggingFace models; keys patched after the rotary embedding, the same
-patch at one position), so this module imports without `HookedTransformer`, which
-TransformerLens 4 removed; `generic_activation_patch` stays `HookedTransformer`-only.
+patch at one position), and `generic_activation_patch` on a bridge to
+`safelens.patching._hf_generic`, so this module imports without `HookedTransformer`,
+which TransformerLens 4 removed.
 
 `patching_metric` is best *batched*: a function of logits `[runs * batch, pos, d_vocab]`
 (rows `r * batch … (r + 1) * batch - 1` are patched run `r`) returning `[runs]`, as
