@@ -43,8 +43,8 @@ from jaxtyping import Float, Int
 
 from ..backends._backend import backend_of
 from ..core._errors import PatchingError
-from ._hf_sites import TL_NAMES, _tokens, site_of
-from ._hf_sweeps import _clean, is_seam_model
+from ._hf_sites import TL_NAMES, _tokens, clean_activation, site_of
+from ._hf_sweeps import is_seam_model
 from ._patterns import (
     _check_pattern_hook,
     get_act_patch_attn_head_pattern_all_pos,
@@ -92,7 +92,7 @@ def _check_seam_model(
             site = site_of(backend, activation)
             for layer in range(backend.n_layers):
                 site.hook(layer)
-                _clean(backend, site, clean_cache, layer, *tokens.shape)
+                clean_activation(backend, site, clean_cache, layer, *tokens.shape)
         except PatchingError as error:
             raise PatchingError(
                 f"{bundle} stacks sweeps of {', '.join(activations)}, and cannot sweep "

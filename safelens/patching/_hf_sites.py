@@ -20,6 +20,9 @@ prompts of one length, positions counted alike).
 | `attn_out` | `blocks.{l}.hook_attn_out` | the attention module's output (`blocks.{l}.hook_attn_out`) |
 | `mlp_out` | `blocks.{l}.hook_mlp_out` | the MLP module's output (`blocks.{l}.hook_mlp_out`) |
 
+`clean_activation` checks a site's clean tensor against the prompt; `put` writes clean
+values into the tensor a patched pass's hook sees.
+
 On a bridge the clean cache is `bridge.run_with_cache(clean_tokens)`'s
 `ActivationCache`; on a HuggingFace model it is the dict
 [`run_with_patching_cache`][safelens.run_with_patching_cache] returns.
@@ -44,7 +47,15 @@ from ..backends._backend import Backend, NamesFilter, backend_of
 from ..core._errors import PatchingError
 from ..core._tokens import check_tokens
 
-__all__ = ["TL_NAMES", "TL_NAMES_ON_HF", "Site", "run_with_patching_cache", "site_of"]
+__all__ = [
+    "TL_NAMES",
+    "TL_NAMES_ON_HF",
+    "Site",
+    "clean_activation",
+    "put",
+    "run_with_patching_cache",
+    "site_of",
+]
 
 # TransformerLens' names under `blocks.{layer}.` (`get_act_name`), without importing it.
 TL_NAMES = {
@@ -158,6 +169,74 @@ def site_of(backend: Backend, activation: str) -> Site:
         "or mlp_out, or wrap the model in a TransformerLens TransformerBridge, whose hook "
         "points cover q, z, pattern and resid_mid"
     )
+
+
+def clean_activation(
+    backend: Backend, site: Site, clean_cache: Any, layer: int, batch: int, length: int
+) -> torch.Tensor:
+    """The clean activation of `site` at `layer`, checked, in the hook's layout, `batch` rows."""
+    name = site.clean(layer)
+    how = (
+        "bridge.run_with_cache(clean_tokens)"
+        if backend.family == "bridge"
+        else "safelens.run_with_patching_cache(model, clean_tokens)"
+    )
+    try:
+        clean = clean_cache[name]
+    except (KeyError, TypeError):
+        raise PatchingError(
+            f"clean_cache has no activation {name!r}; pass the clean cache of {how}"
+        ) from None
+    if not isinstance(clean, torch.Tensor):
+        raise PatchingError(f"clean_cache[{name!r}] is a {type(clean).__name__}, not a tensor")
+    if site.transposed:
+        clean = clean.transpose(1, 2)
+    expected: tuple[int, ...]
+    if site.activation == "pattern":
+        expected = (site.heads, length, length)
+    elif site.pos_axis == 2:
+        expected = (backend.n_kv_heads, length, backend.d_head)
+    elif site.heads:
+        expected = (length, site.heads, backend.d_head)
+    else:
+        expected = (length, backend.d_model)
+    if (
+        clean.dim() != 1 + len(expected)
+        or clean.shape[0] not in (1, batch)
+        or tuple(clean.shape[1:]) != expected
+    ):
+        raise PatchingError(
+            f"clean_cache[{name!r}] has shape {tuple(clean.shape)}; expected [batch={batch} or "
+            f"1, {', '.join(map(str, expected))}] to match corrupted_tokens {(batch, length)}. "
+            "Clean and corrupted prompts must have the same length"
+        )
+    return clean.to(backend.device).expand(batch, *expected)
+
+
+def put(
+    site: Site,
+    tensor: torch.Tensor,
+    clean: torch.Tensor,
+    index: tuple[torch.Tensor, ...],
+    start: int,
+) -> torch.Tensor:
+    """Write the clean values at `index` = (rows, clean rows, pos, head, source pos) into `tensor` (positions `start:`)."""
+    rows, clean_rows, pos, head, src = index
+    target: list[Any] = [slice(None)] * tensor.dim()
+    source: list[Any] = [slice(None)] * clean.dim()
+    target[0], source[0] = rows, clean_rows
+    if pos.numel():
+        target[site.pos_axis], source[site.pos_axis] = pos - start, pos
+    else:  # every position: those the pass runs (the last alone, in `_passes`' last group)
+        source[site.pos_axis] = slice(start, None)
+    if head.numel():
+        target[site.head_axis], source[site.head_axis] = head, head
+    if src.numel():  # a pattern's source positions, after its destination positions
+        target[site.pos_axis + 1], source[site.pos_axis + 1] = src, src
+    # In place, as TransformerLens' setters: a bridge alias such as `hook_resid_mid`
+    # (`ln2.hook_in`) ignores what its hook returns.
+    tensor[tuple(target)] = clean[tuple(source)]
+    return tensor
 
 
 @contextmanager

@@ -38,9 +38,8 @@ import torch
 from tqdm import tqdm
 
 from ..backends._backend import Backend, backend_of
-from ..core._errors import PatchingError
 from ._hf_shortcuts import Shortcuts, captured
-from ._hf_sites import Site, _tokens, residual_input, site_of
+from ._hf_sites import Site, _tokens, clean_activation, put, residual_input, site_of
 from ._limits import _check_limits
 from ._metric import Metric, _Metric
 
@@ -63,74 +62,6 @@ def is_seam_model(model: Any) -> bool:
     return any(
         (cls.__module__.partition(".")[0], cls.__name__) in families for cls in type(model).__mro__
     )
-
-
-def _clean(
-    backend: Backend, site: Site, clean_cache: Any, layer: int, batch: int, length: int
-) -> torch.Tensor:
-    """The clean activation of `site` at `layer`, checked, in the hook's layout, `batch` rows."""
-    name = site.clean(layer)
-    how = (
-        "bridge.run_with_cache(clean_tokens)"
-        if backend.family == "bridge"
-        else "safelens.run_with_patching_cache(model, clean_tokens)"
-    )
-    try:
-        clean = clean_cache[name]
-    except (KeyError, TypeError):
-        raise PatchingError(
-            f"clean_cache has no activation {name!r}; pass the clean cache of {how}"
-        ) from None
-    if not isinstance(clean, torch.Tensor):
-        raise PatchingError(f"clean_cache[{name!r}] is a {type(clean).__name__}, not a tensor")
-    if site.transposed:
-        clean = clean.transpose(1, 2)
-    expected: tuple[int, ...]
-    if site.activation == "pattern":
-        expected = (site.heads, length, length)
-    elif site.pos_axis == 2:
-        expected = (backend.n_kv_heads, length, backend.d_head)
-    elif site.heads:
-        expected = (length, site.heads, backend.d_head)
-    else:
-        expected = (length, backend.d_model)
-    if (
-        clean.dim() != 1 + len(expected)
-        or clean.shape[0] not in (1, batch)
-        or tuple(clean.shape[1:]) != expected
-    ):
-        raise PatchingError(
-            f"clean_cache[{name!r}] has shape {tuple(clean.shape)}; expected [batch={batch} or "
-            f"1, {', '.join(map(str, expected))}] to match corrupted_tokens {(batch, length)}. "
-            "Clean and corrupted prompts must have the same length"
-        )
-    return clean.to(backend.device).expand(batch, *expected)
-
-
-def _put(
-    site: Site,
-    tensor: torch.Tensor,
-    clean: torch.Tensor,
-    index: tuple[torch.Tensor, ...],
-    start: int,
-) -> torch.Tensor:
-    """Write the clean values at `index` = (rows, clean rows, pos, head, source pos) into `tensor` (positions `start:`)."""
-    rows, clean_rows, pos, head, src = index
-    target: list[Any] = [slice(None)] * tensor.dim()
-    source: list[Any] = [slice(None)] * clean.dim()
-    target[0], source[0] = rows, clean_rows
-    if pos.numel():
-        target[site.pos_axis], source[site.pos_axis] = pos - start, pos
-    else:  # every position: those the pass runs (the last alone, in `_passes`' last group)
-        source[site.pos_axis] = slice(start, None)
-    if head.numel():
-        target[site.head_axis], source[site.head_axis] = head, head
-    if src.numel():  # a pattern's source positions, after its destination positions
-        target[site.pos_axis + 1], source[site.pos_axis + 1] = src, src
-    # In place, as TransformerLens' setters: a bridge alias such as `hook_resid_mid`
-    # (`ln2.hook_in`) ignores what its hook returns.
-    tensor[tuple(target)] = clean[tuple(source)]
-    return tensor
 
 
 def _rows_limit(backend: Backend, heads: int, new: int, length: int, max_bytes: int) -> int:
@@ -167,7 +98,7 @@ def seam_patch(
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
     batch, length = tokens.shape
     clean = [
-        _clean(backend, site, clean_cache, layer, batch, length)
+        clean_activation(backend, site, clean_cache, layer, batch, length)
         for layer in range(backend.n_layers)
     ]
     shape = (
@@ -398,7 +329,7 @@ class _Pass:
 def _edit(
     site: Site, clean: torch.Tensor, index: tuple[torch.Tensor, ...], start: int
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda tensor: _put(site, tensor, clean, index, start)
+    return lambda tensor: put(site, tensor, clean, index, start)
 
 
 def _as_hook(edit: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
