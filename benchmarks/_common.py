@@ -6,7 +6,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import pandas as pd
+import torch
+import transformer_lens.patching as tl_patching
 from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+import safelens
 
 
 @dataclass
@@ -62,12 +67,6 @@ def time_grid(
     grid, counts (as safelens' best of `repeats` runs: a load spike in one half is not
     charged). Agreement is checked on every patch it ran.
     """
-    import pandas as pd
-    import torch
-    import transformer_lens.patching as tl_patching
-
-    import safelens
-
     sweep = getattr(safelens, sweep_name)
     with torch.no_grad():
         ours = sweep(model, corrupted, clean_cache, metric, progress=False)

@@ -75,7 +75,10 @@ def seam_generic(
                 "get_act_name spells it (e.g. 'resid_pre', 'attn_out', 'z', 'k')"
             )
     clean = [_clean(clean_cache, name, batch) for name in names]
-    heads = clean[0].shape[2] if clean[0].dim() == 4 else backend.config.num_attention_heads  # type: ignore[attr-defined]
+    # A head index counts key/value heads for keys and values (`[batch, pos, heads,
+    # d_head]`), query heads otherwise, as on a HookedTransformer.
+    n_heads = backend.config.num_attention_heads  # type: ignore[attr-defined]
+    heads = clean[0].shape[2] if activation_name in ("k", "v") else n_heads
     sizes = {"layer": backend.n_layers, "pos": length, "src_pos": length, "dest_pos": length}
     sizes |= {"head_index": int(heads), "head": int(heads)}
     index_df, shape = index_grid(sizes, index_axis_names, index_df)
@@ -85,6 +88,12 @@ def seam_generic(
 
     def editor(layer: int, at: list[tuple[int, Any]]) -> Callable[[torch.Tensor], torch.Tensor]:
         def edit(tensor: torch.Tensor) -> torch.Tensor:
+            if clean[layer].shape[1:] != tensor.shape[1:]:
+                raise PatchingError(
+                    f"clean_cache[{names[layer]!r}] has shape {tuple(clean[layer].shape)}; the "
+                    f"corrupted run's is [batch, {', '.join(map(str, tensor.shape[1:]))}]. "
+                    "Clean and corrupted prompts must have the same length"
+                )
             for place, run in at:
                 rows = tensor[place * batch : (place + 1) * batch]
                 index = indices[run[0]]

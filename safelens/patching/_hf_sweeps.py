@@ -281,17 +281,13 @@ class _Pass:
         late = first == backend.n_layers - 1 and start == tokens.shape[1] - 1
         full = late and site.full is not None
         for layer in sorted({run[1] for run in chunk}):
+            # A run before `start` is an own-position patch in `_passes`' last-layer group:
+            # it changes nothing the metric reads, so it runs unpatched.
             at = [
                 i
                 for i, run in enumerate(chunk)
-                if run[1] == layer
-                and (
-                    full
-                    or run[2] is None
-                    or run[2] >= start
-                    or site.activation not in _OWN_POSITION
-                )
-            ]  # an own-position patch before the last position changes nothing read there
+                if run[1] == layer and (full or run[2] is None or run[2] >= start)
+            ]
             if not at:
                 continue
             if self.editor is not None:

@@ -43,7 +43,7 @@ class _Plan(threading.local):
     """The calling thread's plan: each skipped layer's output form (it returns its input)."""
 
     def __init__(self) -> None:
-        self.outputs: dict[int, Any] = {}
+        self.forms: dict[int, int] = {}
         self.skipped: frozenset[int] = frozenset()
 
 
@@ -72,8 +72,8 @@ def _skipping_forward(layer: torch.nn.Module, own: Callable[..., Any]) -> Callab
     key = id(layer)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        form = _PLAN.outputs.get(key, _MISSING)
-        if form is _MISSING:
+        form = _PLAN.forms.get(key)
+        if form is None:  # not skipped on this thread
             return own(*args, **kwargs)
         hidden = args[0] if args else kwargs["hidden_states"]
         return hidden if form == 0 else (hidden, *(None,) * (form - 1))
@@ -128,7 +128,7 @@ def skipping(
         yield
         return
     skipped = list(layers)[:first]
-    if _PLAN.outputs:
+    if _PLAN.forms:
         raise RuntimeError("skipping blocks do not nest on one thread")
     me = threading.get_ident()
 
@@ -143,12 +143,12 @@ def skipping(
     handle = layers[first].register_forward_pre_hook(enter, with_kwargs=True, prepend=True)
     try:
         with _installed(skipped):
-            _PLAN.outputs = {id(layer): forms[index] for index, layer in enumerate(skipped)}
+            _PLAN.forms = {id(layer): forms[index] for index, layer in enumerate(skipped)}
             _PLAN.skipped = frozenset(range(first))
             try:
                 yield
             finally:
-                _PLAN.outputs = {}
+                _PLAN.forms = {}
                 _PLAN.skipped = frozenset()
     finally:
         handle.remove()
