@@ -138,11 +138,14 @@ def sweep(
     max_bytes: int,
     progress: bool,
     single_position: bool,
+    idle: list[Run] | None = None,
 ) -> torch.Tensor:
     """Fill `out.view(-1)[run.slot]` with the metric of every patched run; return `out`.
 
     `single_position`: each run's patch changes its own position `run.pos` alone (a
     by-position sweep), which lets some sites skip work (see `safelens.patching._plan`).
+    `idle`: runs whose patch changes nothing (`safelens.patching._unchanged`): each gets
+    the corrupted run's metric, without a pass.
     """
     batch, length = corrupted.logits.shape[:2]
     limit = _rows_per_run_limit(model, length, max_bytes) // batch
@@ -152,6 +155,10 @@ def sweep(
     plan = Plan.of(model, hook_name(last).removeprefix(f"blocks.{last}."), single_position, metric)
     patch = _Patch(hook_name, patcher)
     flat = out.view(-1)
+    if idle:
+        logits = corrupted.logits[:, -1:] if plan.last_only else corrupted.logits
+        slots = torch.tensor([run.slot for run in idle], device=out.device)
+        flat[slots] = scored(logits, 1).to(out.device, out.dtype)
     by_pos: dict[int, list[Run]] = {}
     for run in runs:
         start = run.pos - run.pos % _SPAN if plan.reuses_positions else 0
@@ -159,8 +166,9 @@ def sweep(
     with (
         torch.no_grad(),
         shared_prefix_attention(model),
-        tqdm(total=len(runs), disable=not progress, desc="patching") as bar,
+        tqdm(total=len(runs) + len(idle or ()), disable=not progress, desc="patching") as bar,
     ):
+        bar.update(len(idle or ()))
         for pos, group in sorted(by_pos.items()):
             group.sort(key=lambda run: run.layer)
             for start in range(0, len(group), runs_per_chunk):

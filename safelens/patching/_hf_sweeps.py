@@ -31,7 +31,9 @@ everything else a sweep attaches acts on its own thread only.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -42,6 +44,7 @@ from ._hf_shortcuts import Shortcuts, captured
 from ._hf_sites import Site, _tokens, clean_activation, put, residual_input, site_of
 from ._limits import _check_limits
 from ._metric import Metric, _Metric
+from ._unchanged import unchanged
 
 __all__ = ["Editor", "Run", "is_seam_model", "run_sweep", "seam_patch"]
 
@@ -146,7 +149,8 @@ def run_sweep(
     scored = _Metric(patching_metric, batch)
     with torch.no_grad():
         corrupted = backend.empty_cache(batch)
-        with captured(backend) as (inputs, forms):
+        seen: dict[int, torch.Tensor] = {}
+        with captured(backend) as (inputs, forms), _seeing(backend, site, corrupted, seen, editor):
             corrupted_logits = backend.forward(tokens, mask, corrupted)
         corrupted.freeze()
         pass_ = _Pass(backend, site, tokens, mask, corrupted, clean, editor)
@@ -161,7 +165,15 @@ def run_sweep(
             )
 
         shortcuts = Shortcuts.of(backend, site.activation, patching_metric, inputs, forms, check)
-        with tqdm(total=len(runs), disable=not progress, desc="patching") as bar:
+        idle = _idle(site, clean, seen, runs)
+        if idle:
+            logits = corrupted_logits[:, -1:] if shortcuts.last_only else corrupted_logits
+            slots = torch.tensor([run[0] for run in idle], device=out.device)
+            flat[slots] = scored(logits, 1).to(out.device, out.dtype)
+            skipped = {run[0] for run in idle}
+            runs = [run for run in runs if run[0] not in skipped]
+        with tqdm(total=len(runs) + len(idle), disable=not progress, desc="patching") as bar:
+            bar.update(len(idle))
             for first, start, group in _passes(backend, site, shortcuts, runs, length, batch):
                 rows = _rows_limit(backend, site.heads or 1, length - start, length, max_bytes)
                 per_pass = max(1, rows // batch)
@@ -176,6 +188,48 @@ def run_sweep(
                     flat[slots] = scored(logits, len(chunk)).to(out.device, out.dtype)
                     bar.update(len(chunk))
     return out
+
+
+@contextmanager
+def _seeing(
+    backend: Backend, site: Site, cache: Any, seen: dict[int, torch.Tensor], editor: Editor | None
+) -> Iterator[None]:
+    """Within the block, `seen[layer]` gets the tensor the site's patch hook sees (this thread's).
+
+    Nothing for a generic sweep (`editor`): its setter may write anything.
+    """
+    if editor is not None:
+        yield
+        return
+    me = threading.get_ident()
+
+    def keep(layer: int) -> Callable[..., None]:
+        def hook(tensor: torch.Tensor, hook: Any = None) -> None:
+            if threading.get_ident() == me:
+                seen[layer] = tensor.detach().clone()
+
+        return hook
+
+    hooked = [(site.hook(layer), keep(layer)) for layer in range(backend.n_layers)]
+    inputs = {layer: keep(layer) for layer, (name, _) in enumerate(hooked) if name is None}
+    pairs = [(name, hook) for name, hook in hooked if name is not None]
+    with residual_input(backend, inputs), backend.pass_hooks(cache, pairs):  # type: ignore[arg-type]
+        yield
+
+
+def _idle(
+    site: Site, clean: list[torch.Tensor], seen: dict[int, torch.Tensor], runs: list[Run]
+) -> list[Run]:
+    """The runs whose patch writes only what the corrupted run holds (`_unchanged`)."""
+    if not runs or len(seen) < len(clean):
+        return []
+    fields = [field for field in (2, 4, 3) if runs[0][field] is not None]  # pos, src, head
+    axes = {2: site.pos_axis, 4: site.pos_axis + 1, 3: site.head_axis}
+    same = [
+        unchanged(clean[layer], seen[layer], [axes[field] for field in fields])
+        for layer in range(len(clean))
+    ]
+    return [run for run in runs if same[run[1]][tuple(run[field] for field in fields)]]
 
 
 def _passes(

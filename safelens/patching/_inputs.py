@@ -138,6 +138,7 @@ class _Sweep:
         max_bytes: int,
         progress: bool,
         single_position: bool = False,
+        idle: list[Run] | None = None,
     ) -> torch.Tensor:
         out = torch.zeros(shape, device=self.model.cfg.device)
         return sweep(
@@ -152,6 +153,7 @@ class _Sweep:
             max_bytes,
             progress,
             single_position,
+            idle,
         )
 
 

@@ -52,6 +52,7 @@ from ._hf_sites import TL_NAMES, TL_NAMES_ON_HF
 from ._hf_sweeps import is_seam_model, seam_patch
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
 from ._metric import Metric
+from ._unchanged import unchanged
 
 if TYPE_CHECKING:
     from transformer_lens import ActivationCache, HookedTransformer
@@ -146,8 +147,19 @@ def _patch(
     if with_head:
         shape += (sweep.heads(),)
     runs = _grid_runs(shape, 1 if by_pos else None)
+    # The patcher writes clean[:, pos, head] (every position without pos, the whole
+    # position without head): a run whose values those are already changes nothing.
+    keep = [1] * by_pos + [2] * with_head
+    same = [
+        unchanged(sweep.clean[layer], sweep.corrupted.activations[sweep.hook_name(layer)], keep)
+        for layer in range(model.cfg.n_layers)
+    ]
+    idle = [run for run in runs if same[run.index[0]][run.index[1:]]]
+    runs = [run for run in runs if not same[run.index[0]][run.index[1:]]]
     patcher = _by_pos_patcher(sweep, with_head) if by_pos else _all_pos_patcher(sweep)
-    return sweep.run(runs, shape, patcher, patching_metric, max_batch, max_bytes, progress, by_pos)
+    return sweep.run(
+        runs, shape, patcher, patching_metric, max_batch, max_bytes, progress, by_pos, idle
+    )
 
 
 def generic_activation_patch(
