@@ -103,6 +103,14 @@ _LAZY_MODULES = {
     ),
 }
 _LAZY = {name: module for module, names in _LAZY_MODULES.items() for name in names}
+# The lazy names whose modules need HookedTransformer itself (the rest run on a bridge).
+_NEEDS_HOOKED_TRANSFORMER = frozenset(
+    {
+        *_LAZY_MODULES[".backends.hooked._hooks"],
+        *_LAZY_MODULES[".backends.hooked._shared_attention"],
+        *_LAZY_MODULES[".patching._attribution"],
+    }
+)
 
 
 def _missing_library(name: str, error: ImportError) -> str | None:
@@ -216,3 +224,17 @@ __all__ = [
     "FrozenCacheError",
     "TokenError",
 ]
+
+
+def _has_hooked_transformer() -> bool:
+    """Whether the installed TransformerLens has `HookedTransformer` (3.x), from its metadata."""
+    try:
+        return int(version("transformer-lens").partition(".")[0]) < 4
+    except (PackageNotFoundError, ValueError):
+        return False
+
+
+if not _has_hooked_transformer():
+    # `from safelens import *` without HookedTransformer: what imports here. Each name
+    # left out still says what to install when asked for (`__getattr__`).
+    __all__ = [name for name in __all__ if name not in _NEEDS_HOOKED_TRANSFORMER]

@@ -37,6 +37,7 @@ HOOKED_ONLY = {
     for name in names
 }
 INSTALL = "pip install 'transformer-lens>=3.9,<4'"
+HOOKED = int(version("transformer-lens").split(".")[0]) < 4
 
 WITHOUT_TRANSFORMER_LENS = r"""
 import importlib.metadata, json, sys
@@ -66,7 +67,10 @@ import safelens
 from transformers import LlamaConfig, LlamaForCausalLM
 
 report = {"missing": {}, "loaded": []}
-for name in safelens.__all__:
+star = {}
+exec("from safelens import *", star)
+report["star"] = sorted(name for name in star if name != "__builtins__")
+for name in sorted({*safelens.__all__, *safelens._LAZY}):
     try:
         getattr(safelens, name)
         report["loaded"].append(name)
@@ -107,6 +111,7 @@ def test_without_transformer_lens_the_hf_experiments_run(without_transformer_len
 def test_without_transformer_lens_hooked_names_say_what_to_install(without_transformer_lens):
     missing = without_transformer_lens["missing"]
     assert set(missing) == HOOKED_ONLY
+    assert set(without_transformer_lens["star"]) == set(without_transformer_lens["loaded"])
     for name, message in missing.items():
         assert message.startswith(f"safelens.{name} needs TransformerLens' HookedTransformer")
         assert "TransformerLens is not installed" in message and INSTALL in message
@@ -114,14 +119,13 @@ def test_without_transformer_lens_hooked_names_say_what_to_install(without_trans
 
 def test_every_public_name_loads_or_names_what_to_install_here():
     """TransformerLens 3.x: everything loads. 4.x: exactly the HookedTransformer parts fail."""
-    hooked = int(version("transformer-lens").split(".")[0]) < 4
     failed = {}
-    for name in safelens.__all__:
+    for name in {*safelens.__all__, *safelens._LAZY}:
         try:
             getattr(safelens, name)
         except ImportError as error:
             failed[name] = str(error)
-    assert set(failed) == (set() if hooked else HOOKED_ONLY)
+    assert set(failed) == (set() if HOOKED else HOOKED_ONLY)
     for message in failed.values():
         assert "which TransformerLens 4 removed" in message and INSTALL in message
 
@@ -135,6 +139,15 @@ def test_all_lists_every_public_name():
         if not name.startswith("_") and not isinstance(value, ModuleType)
     }
     exported = set(safelens.__all__)
-    assert public - helpers <= exported and set(safelens._LAZY) <= exported
-    assert exported <= public | set(safelens._LAZY)
+    loadable = set(safelens._LAZY) - (set() if HOOKED else HOOKED_ONLY)
+    assert public - helpers <= exported and loadable <= exported
+    assert exported <= public | loadable
     assert len(safelens.__all__) == len(exported)
+
+
+def test_star_import_gives_every_name_that_loads_here():
+    """On TransformerLens 4, `from safelens import *` leaves out the HookedTransformer parts."""
+    names: dict = {}
+    exec("from safelens import *", names)
+    expected = set(safelens.__all__) | set(safelens._LAZY)
+    assert set(names) - {"__builtins__"} == expected - (set() if HOOKED else HOOKED_ONLY)
