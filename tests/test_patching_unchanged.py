@@ -226,3 +226,22 @@ def test_a_generic_sweep_runs_every_setter_even_where_clean_is_corrupted(kind, r
     )
     assert len(runs) == got.numel()
     assert (got - expected).abs().max() <= TOL
+
+
+@pytest.mark.hooked_transformer
+def test_hooked_pattern_sweep_skips_rows_before_the_split(hooked_runs):
+    from models import make_model, tokens
+
+    model_ = make_model("rotary", n_kv_heads=2)
+    clean, corrupted = pair(lambda batch, length, seed: tokens(batch, length, seed))
+    _, clean_cache = model_.run_with_cache(clean)
+    got = safelens.get_act_patch_attn_head_pattern_by_pos(
+        model_, corrupted, clean_cache, metric, progress=False
+    )
+    expected = patching.get_act_patch_attn_head_pattern_by_pos(
+        model_, corrupted, clean_cache, metric
+    )
+    assert (got - expected).abs().max() <= TOL
+    assert (got - got.flatten()[0]).abs().max() > 1e-6
+    # [layer, head, dest_pos]: rows before SPLIT are the corrupted run's in both runs.
+    assert hooked_runs and min(index[2] for index in hooked_runs) == SPLIT

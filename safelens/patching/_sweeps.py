@@ -42,7 +42,7 @@ that does is refused with a `PatchingError`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pandas as pd
 import torch
@@ -146,20 +146,29 @@ def _patch(
         shape += (sweep.length,)
     if with_head:
         shape += (sweep.heads(),)
-    runs = _grid_runs(shape, 1 if by_pos else None)
     # The patcher writes clean[:, pos, head] (every position without pos, the whole
-    # position without head): a run whose values those are already changes nothing.
-    keep = [1] * by_pos + [2] * with_head
-    same = [
-        unchanged(sweep.clean[layer], sweep.corrupted.activations[sweep.hook_name(layer)], keep)
-        for layer in range(model.cfg.n_layers)
-    ]
-    idle = [run for run in runs if same[run.index[0]][run.index[1:]]]
-    runs = [run for run in runs if not same[run.index[0]][run.index[1:]]]
+    # position without head).
+    runs, idle = _idle(
+        sweep, _grid_runs(shape, 1 if by_pos else None), [1] * by_pos + [2] * with_head
+    )
     patcher = _by_pos_patcher(sweep, with_head) if by_pos else _all_pos_patcher(sweep)
     return sweep.run(
         runs, shape, patcher, patching_metric, max_batch, max_bytes, progress, by_pos, idle
     )
+
+
+def _idle(sweep: _Sweep, runs: list[Run], axes: list[int]) -> tuple[list[Run], list[Run]]:
+    """`runs` split into those that change something and those that do not (`_unchanged`).
+
+    A run's patch writes the clean activation at its index after the layer, on the
+    activation's `axes` (every entry of the others).
+    """
+    same = [
+        unchanged(sweep.clean[layer], sweep.corrupted.activations[sweep.hook_name(layer)], axes)
+        for layer in range(sweep.model.cfg.n_layers)
+    ]
+    idle = [run for run in runs if same[run.index[0]][run.index[1:]]]
+    return [run for run in runs if not same[run.index[0]][run.index[1:]]], idle
 
 
 def generic_activation_patch(
@@ -185,6 +194,9 @@ def generic_activation_patch(
     negative `pos` counts from the end). `patch_setter(corrupted_activation, index,
     clean_activation)` is called once per patch on that run's full-length activation
     `[batch, pos, …]`, and returns it patched (or `None` after editing it in place).
+    With one of TransformerLens' own setters, a patch that writes what the corrupted run
+    holds runs no pass (`safelens.patching._unchanged`); any other setter runs for
+    every index.
     Patches of `rot_k`, `attn_scores` or `pattern`, whose tensors span every key
     position, always run every position. On a TransformerBridge the setter runs on the
     bridge's own hook points, every position of each run (`safelens.patching._hf_generic`);
@@ -265,8 +277,31 @@ def generic_activation_patch(
             _check_patched(full if patched is None else patched, full, before, start, run)
             own.copy_((full if patched is None else patched)[:, start:])
 
-    result = sweep.run(runs, shape, patch, patching_metric, max_batch, max_bytes, progress)
+    idle: list[Run] = []
+    writes = _known_setter_axes(patch_setter)
+    if writes is not None and all(len(run.index) == len(writes) + 1 for run in runs):
+        runs, idle = _idle(sweep, runs, writes)
+    result = sweep.run(
+        runs, shape, patch, patching_metric, max_batch, max_bytes, progress, idle=idle
+    )
     return (result, index_df) if return_index_df else result
+
+
+def _known_setter_axes(patch_setter: Any) -> list[int] | None:
+    """The activation axes a TransformerLens setter writes at the index after the layer.
+
+    `None` for any other setter: it may write anything, so none of its runs is skipped.
+    """
+    from transformer_lens import patching
+
+    return {
+        patching.layer_pos_patch_setter: [1],
+        patching.layer_pos_head_vector_patch_setter: [1, 2],
+        patching.layer_head_vector_patch_setter: [2],
+        patching.layer_head_pattern_patch_setter: [1],
+        patching.layer_head_pos_pattern_patch_setter: [1, 2],
+        patching.layer_head_dest_src_pos_pattern_patch_setter: [1, 2, 3],
+    }.get(patch_setter)
 
 
 _EXAMPLE = """

@@ -11,8 +11,8 @@ the costliest ones (they recompute the most positions).
 
 The test is bitwise, on the tensor the patch would be written into, every row of the
 batch: values equal only after rounding, `-0.0` against `0.0`, and NaN all count as a
-change and run as usual. A sweep with a user's `patch_setter` never skips (the setter
-may write anything).
+change and run as usual. A generic sweep skips only with one of TransformerLens' own
+setters, whose writes are known; any other `patch_setter` may write anything.
 """
 
 from __future__ import annotations
