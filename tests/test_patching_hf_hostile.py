@@ -301,6 +301,32 @@ def test_user_hooks_on_bridge_hook_points_act_as_under_transformer_lens():
         lm.reset_hooks()
 
 
+def test_user_ablations_of_a_head_and_of_attention_to_position_0_act_as_under_transformer_lens():
+    """Index a head, or a *key* position (every pass sees every key): unlike a query or
+    residual position (below), these mean the same in a pass that starts after 0."""
+    lm = bridge("llama")
+    clean, corrupted = pair(20)
+
+    def no_attention_to_position_0(pattern, hook):
+        pattern = pattern.clone()
+        pattern[..., 0] = 0
+        return pattern
+
+    def no_head_1(z, hook):
+        z[:, :, 1] = 0
+
+    lm.add_hook("blocks.0.attn.hook_pattern", no_attention_to_position_0)
+    lm.add_hook("blocks.1.attn.hook_z", no_head_1)
+    try:
+        clean_cache = clean_cache_of(lm, clean)
+        got = safelens.get_act_patch_resid_pre(lm, corrupted, clean_cache, metric, progress=False)
+        expected = patching.get_act_patch_resid_pre(lm, corrupted, clean_cache, metric)
+    finally:
+        lm.reset_hooks()
+    assert (got - expected).abs().max() <= TOL
+    assert (got - got.flatten()[0]).abs().max() > 1e-6
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="a user hook that edits a position by index (t[:, 0]) edits another position "
