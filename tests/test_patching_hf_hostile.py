@@ -19,6 +19,7 @@ Tests marked `xfail(strict=True)` pin bugs: each fails today, and turns the suit
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -209,6 +210,26 @@ def test_a_model_in_train_mode_with_dropout_is_refused_or_deterministic():
     except SafelensError:
         return
     assert torch.equal(first, second)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="with a tokenizer whose pad id is the BOS id (GPT-2's pad = eos = bos), every "
+    "row's leading BOS is masked as padding in a batch of several: silently wrong numbers",
+)
+def test_a_bos_that_shares_the_pad_id_is_attended(monkeypatch):
+    """TransformerLens unmasks such a BOS (`get_attention_mask`), and HuggingFace's
+    `generate` infers no mask when pad is eos; a prompt alone is not masked either."""
+    lm = model("gpt2")
+    tokenizer = SimpleNamespace(pad_token_id=0, bos_token_id=0, eos_token_id=0, padding_side="left")
+    monkeypatch.setattr(lm, "tokenizer", tokenizer, raising=False)
+    clean, corrupted = pair(7, batch=2)
+    clean[:, 0] = corrupted[:, 0] = 0  # BOS, no padding
+    clean_cache = clean_cache_of(lm, clean)
+    got = safelens.get_act_patch_resid_pre(lm, corrupted, clean_cache, metric, progress=False)
+    cells = [(layer, pos) for layer in range(2) for pos in (0, 3, 6)]
+    expected = reference(lm, "resid_pre", cells, clean, corrupted, torch.ones_like(clean))
+    assert (got[tuple(torch.tensor(cells).T)] - expected).abs().max() <= TOL
 
 
 def test_an_instance_forward_of_the_users_is_kept_and_run():
