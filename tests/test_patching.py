@@ -764,3 +764,26 @@ def test_sweeps_and_continuations_from_threads_give_the_serial_results() -> None
     assert not any("forward" in block.attn.__dict__ for block in model.blocks)
     assert not any(point._forward_hooks or point.fwd_hooks for point in model.hook_dict.values())
     assert torch.equal(model(plain), serial["plain"])
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_users_hook_that_indexes_positions_acts_as_under_transformer_lens(declared) -> None:
+    """With a hook attached, every pass runs every position: `[:, 0]` is position 0."""
+    model = make_model("rotary", 2)
+    clean, corrupted = tokens(1, 12, seed=3), tokens(1, 12, seed=4)
+
+    def first_position(tensor: torch.Tensor, hook: object) -> None:
+        tensor[:, 0, :8] += 1.0
+
+    model.add_hook("blocks.0.hook_mlp_out", first_position)
+    try:
+        clean_logits, clean_cache = model.run_with_cache(clean)
+        metric = logit_diff_metric(clean_logits, model(corrupted), 3, 5)
+        plain = (lambda logits: metric(logits)) if not declared else metric
+        for name in ("get_act_patch_resid_pre", "get_act_patch_attn_head_out_by_pos"):
+            got = getattr(safelens, name)(model, corrupted, clean_cache, plain, progress=False)
+            expected = getattr(tl_patching, name)(model, corrupted, clean_cache, metric)
+            assert (got - expected).abs().max() <= 1e-4, name
+        assert len(model.hook_dict["blocks.0.hook_mlp_out"]._forward_hooks) == 1
+    finally:
+        model.reset_hooks()

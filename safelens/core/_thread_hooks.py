@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Hook", "hooked_here", "thread_hooks"]
+__all__ = ["Hook", "hooked_anywhere", "hooked_here", "thread_hooks"]
 
 # `fn(tensor, hook)`, TransformerLens' hook protocol: returns the new tensor, or `None`.
 Hook = Callable[[torch.Tensor, Any], Any]
@@ -74,3 +74,19 @@ def hooked_here(point: torch.nn.Module) -> bool:
     me = threading.get_ident()
     hooks = tuple(point._forward_hooks.values())  # one step: other threads may add hooks
     return any(getattr(hook, "thread", me) == me for hook in hooks)
+
+
+def hooked_anywhere(model: torch.nn.Module) -> bool:
+    """Whether any module of `model` has a forward (pre-)hook acting on this thread's passes.
+
+    PyTorch's global forward hooks count too. Read once, before a sweep attaches its own.
+    """
+    me = threading.get_ident()
+    module_hooks = torch.nn.modules.module
+    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
+        return True
+    for module in model.modules():
+        hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
+        if any(getattr(hook, "thread", me) == me for hook in hooks):
+            return True
+    return False

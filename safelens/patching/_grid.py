@@ -289,9 +289,11 @@ def _logits(
     plan: Plan,
 ) -> torch.Tensor:
     """Logits of rows that ran positions `pos:` through every layer."""
-    if plan.last_only:
+    if plan.last_only and plan.partial:
         return model(residual[:, -1:], start_at_layer=model.cfg.n_layers)
     logits = model(residual, start_at_layer=model.cfg.n_layers)
+    if plan.last_only:
+        return logits[:, -1:]
     if pos:
         runs = logits.shape[0] // corrupted.logits.shape[0]
         logits = torch.cat([corrupted.logits[:, :pos].repeat(runs, 1, 1), logits], dim=1)

@@ -23,10 +23,15 @@ where a shortcut does not hold (one that carries state from layer to layer besid
 residual stream, an MLP whose output is not added to the residual stream) fails the
 check and runs without it: exact, slower.
 
+While a hook of the user's is attached anywhere in the model (`hooked_anywhere`), no
+pass runs fewer positions than the prompt's (no trims here, no reused positions in
+`safelens.patching._hf_sweeps`): a hook may index positions (`tensor[:, 0]`), and sees
+every position, as under TransformerLens.
+
 Caveat: a user's hook on a skipped layer's own modules does not fire (as with
 TransformerLens' `start_at_layer`; one on the skipped layer itself fires, on what it is
-handed, and what it returns is not used), and one on the last layer's MLP sees the last
-position alone.
+handed, and what it returns is not used): the corrupted run's residual stream, computed
+with it, enters the first layer a pass runs.
 """
 
 from __future__ import annotations
@@ -115,6 +120,8 @@ class Shortcuts:
     last_only: bool = False
     trim: bool = False
     trim_mlp: bool = False
+    # Whether a pass may run fewer positions than the prompt's (no user hook attached).
+    partial: bool = True
 
     layers: torch.nn.ModuleList = field(init=False, repr=False)
 
@@ -153,8 +160,13 @@ class Shortcuts:
         inputs: list[Any],
         forms: list[Any],
         check: Callable[[Shortcuts, int, int], bool],
+        partial: bool = True,
     ) -> Shortcuts:
-        """The shortcuts `check(shortcuts, first, start)` finds exact on this model (module notes)."""
+        """The shortcuts `check(shortcuts, first, start)` finds exact on this model (module notes).
+
+        `partial=False` (a user's hook attached): passes run every position, so no
+        trims, and the checks start at position 0.
+        """
         residuals = list(inputs)
         n_layers = backend.n_layers
         last_only = reads_last_position(metric)
@@ -162,14 +174,16 @@ class Shortcuts:
             form is not None and tensor is not None
             for form, tensor in zip(forms, inputs, strict=True)
         )
-        trims = last_only and isinstance(_unembedding(backend), torch.nn.Module)
+        trims = partial and last_only and isinstance(_unembedding(backend), torch.nn.Module)
         mlp = getattr(_decoder_layers(backend.model, n_layers)[1][-1], "mlp", None)
         trim_mlp = activation in _BEFORE_MLP and isinstance(mlp, torch.nn.Module)
         for skip, trim in dict.fromkeys([(skips, trims), (skips, False), (False, trims)]):
-            chosen = cls(backend, residuals, forms, skip, last_only, trim, trim and trim_mlp)
+            chosen = cls(
+                backend, residuals, forms, skip, last_only, trim, trim and trim_mlp, partial
+            )
             if (skip or trim) and _holds(check, chosen):
                 return chosen
-        return cls(backend, residuals, forms, False, last_only)
+        return cls(backend, residuals, forms, False, last_only, partial=partial)
 
     def tolerance(self) -> float:
         return _TOLERANCE[torch.finfo(self.backend.dtype).bits >= 32]
@@ -184,8 +198,11 @@ def _holds(check: Callable[[Shortcuts, int, int], bool], shortcuts: Shortcuts) -
     """
     length = shortcuts.residuals[0].shape[1]
     last = len(shortcuts.residuals) - 1 if shortcuts.skips else 0
-    checks = [(last, 0), (last, length // 2)]
-    checks += [(first, length - 1) for first in range(1, last)]
+    if shortcuts.partial:
+        checks = [(last, 0), (last, length // 2)]
+        checks += [(first, length - 1) for first in range(1, last)]
+    else:
+        checks = [(first, 0) for first in range(last, 0, -1)] or [(0, 0)]
     try:
         return all(check(shortcuts, first, start) for first, start in checks)
     except Exception:  # noqa: BLE001 - a family the shortcut does not fit runs without it

@@ -16,7 +16,9 @@ read once per layer under [`shared_prefix`][safelens.shared_prefix] on HuggingFa
 models), starting at layer `l` with the corrupted run's residual stream, and, for a
 metric that reads only the last position, unembedding that position alone
 (`safelens.patching._hf_shortcuts`, which checks once per sweep that both shortcuts hold
-on the model). The logits of positions `< p` are the corrupted run's.
+on the model). The logits of positions `< p` are the corrupted run's. While a hook of
+the user's is attached anywhere in the model, every pass runs every position (a hook
+may index positions); it still starts at the layer of its patch.
 
 Positions and padding, as the reference does: on a bridge, every position is attended
 with positions `0…pos-1`, as `bridge(tokens)` does for a tensor of tokens; on a
@@ -40,6 +42,7 @@ import torch
 from tqdm import tqdm
 
 from ..backends._backend import Backend, backend_of
+from ..core._thread_hooks import hooked_anywhere
 from ._hf_shortcuts import Shortcuts, captured
 from ._hf_sites import Site, _tokens, clean_activation, put, residual_input, site_of
 from ._limits import _check_limits
@@ -147,6 +150,7 @@ def run_sweep(
     out = torch.zeros(shape, device=backend.device)
     flat = out.view(-1)
     scored = _Metric(patching_metric, batch)
+    partial = not hooked_anywhere(backend.model)  # read before the sweep attaches its own
     with torch.no_grad():
         corrupted = backend.empty_cache(batch)
         seen: dict[int, torch.Tensor] = {}
@@ -164,7 +168,9 @@ def run_sweep(
                 logits.shape == expected.shape and float((logits - expected).abs().max()) <= bound
             )
 
-        shortcuts = Shortcuts.of(backend, site.activation, patching_metric, inputs, forms, check)
+        shortcuts = Shortcuts.of(
+            backend, site.activation, patching_metric, inputs, forms, check, partial
+        )
         idle = _idle(site, clean, seen, runs)
         if idle:
             logits = corrupted_logits[:, -1:] if shortcuts.last_only else corrupted_logits
@@ -254,7 +260,8 @@ def _passes(
     """
     last = backend.n_layers - 1
     late = (
-        shortcuts.last_only
+        shortcuts.partial
+        and shortcuts.last_only
         and (site.full is not None or site.activation in _OWN_POSITION)
         and (shortcuts.skips or last == 0)
     )
@@ -276,7 +283,7 @@ def _passes(
                 overhead + layers * len(chunk) * batch * (length - start)
                 for start, chunk in _grouped(group, span).items()
             )
-            for span in _SPANS
+            for span in (_SPANS if shortcuts.partial else (length,))
         }
         span = min(costs, key=costs.__getitem__)
         passes += [(first, start, chunk) for start, chunk in sorted(_grouped(group, span).items())]

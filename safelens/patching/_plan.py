@@ -21,6 +21,11 @@ A patched run needs only what its metric reads and what its patch can change:
   dynamic NTK rotary (`cfg.use_dynamic_ntk_rope`), whose rotation depends on how many
   positions a pass holds.
 
+None of these while a hook of the user's is attached anywhere in the model
+(`hooked_anywhere`): a hook may index positions (`tensor[:, 0]`), and sees every
+position of every layer it fires in, as under TransformerLens; a metric of the last
+position still gets that position alone.
+
 Caveat: the last-query shortcut needs safelens' attention path (see
 [`shared_prefix_attention`][safelens.shared_prefix_attention]); a last layer it does
 not cover, or one with hooks on `hook_rot_k`, runs every query.
@@ -35,7 +40,7 @@ import torch
 from transformer_lens import HookedTransformer
 
 from ..backends.hooked._shared_attention import supports
-from ..core._thread_hooks import hooked_here
+from ..core._thread_hooks import hooked_anywhere, hooked_here
 from ._metric import reads_last_position
 
 __all__ = ["Plan", "causal", "reads_last_position"]
@@ -104,11 +109,15 @@ class Plan:
     reuses_positions: bool
     single_position: bool
     last_layer_trims: tuple[tuple[str, Hook], ...]
+    # Whether a pass may run fewer positions than the prompt's (no user hook attached).
+    partial: bool = True
 
     @classmethod
     def of(cls, model: HookedTransformer, site: str, single_position: bool, metric: object) -> Plan:
         """The plan for patches at `site` (a name under `blocks.{layer}.`)."""
         last_only = reads_last_position(metric)
+        if hooked_anywhere(model):
+            return cls(last_only, False, False, (), partial=False)
         trims: list[tuple[str, Hook]] = []
         if last_only:
             cfg = model.cfg
