@@ -348,11 +348,6 @@ def test_user_ablations_of_a_head_and_of_attention_to_position_0_act_as_under_tr
     assert (got - got.flatten()[0]).abs().max() > 1e-6
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a user hook that edits a position by index (t[:, 0]) edits another position "
-    "in passes that start after position 0: silently wrong numbers",
-)
 @pytest.mark.parametrize("family", ["hf", "bridge"])
 def test_a_user_hook_that_edits_position_0_gives_the_reference_numbers(family):
     """A prompt of 20: the runs patched at layer 0 after position 16 share a pass that
@@ -719,18 +714,14 @@ def test_a_sweep_and_a_clean_cache_in_another_thread_during_a_hf_sweep_are_seria
         outer = sweeps[0](lm, corrupted, clean_cache, LastOnly(), progress=False)
     finally:
         handle.remove()
-    assert torch.equal(outer, serial[0])
+    # The hook that starts the other thread is a hook of the user's: every pass runs whole.
+    assert (outer - serial[0]).abs().max() <= TOL
     assert len(inner) >= 4 and all(isinstance(result, tuple) for result in inner), inner
     for logits, swept in inner:
-        assert torch.equal(logits, clean_logits) and torch.equal(swept, serial[1])
+        assert torch.equal(logits, clean_logits) and (swept - serial[1]).abs().max() <= TOL
     assert_as_found(lm, before)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the sweeps' patches on a bridge's own hook points act on every thread: "
-    "another thread's forward during a z sweep is patched (or fails)",
-)
 def test_another_threads_forward_during_a_bridge_hook_point_sweep_is_plain():
     lm = bridge("llama", layers=3)
     clean, corrupted = pair(9)
@@ -757,11 +748,6 @@ def test_another_threads_forward_during_a_bridge_hook_point_sweep_is_plain():
     assert all(isinstance(logits, torch.Tensor) and torch.equal(logits, plain) for logits in seen)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="two threads sweeping one bridge at hook points (resid_pre, z, q, ...) see each "
-    "other's patches: errors or silently wrong numbers",
-)
 def test_two_threads_sweeping_one_bridge_get_the_serial_results():
     lm = bridge("llama", layers=3)
     clean, corrupted = pair(9)

@@ -77,16 +77,30 @@ def hooked_here(point: torch.nn.Module) -> bool:
 
 
 def hooked_anywhere(model: torch.nn.Module) -> bool:
-    """Whether any module of `model` has a forward (pre-)hook acting on this thread's passes.
+    """Whether a hook of the user's is attached anywhere in `model`.
 
-    PyTorch's global forward hooks count too. Read once, before a sweep attaches its own.
+    Read once, before a sweep attaches its own. A TransformerLens hook point counts with
+    any hook in its own list (`add_hook`, `hooks()`); so does a forward hook or pre-hook
+    on any other module, or a global one, unless it is the libraries' own bookkeeping
+    (its code in torch, transformers, TransformerLens, accelerate or safelens: the
+    capture hooks transformers and TransformerBridge install on their first pass,
+    `add_hook`'s wrappers, safelens' thread hooks).
     """
-    me = threading.get_ident()
     module_hooks = torch.nn.modules.module
-    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
-        return True
+    hooks = [*module_hooks._global_forward_hooks.values()]
+    hooks += module_hooks._global_forward_pre_hooks.values()
     for module in model.modules():
-        hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
-        if any(getattr(hook, "thread", me) == me for hook in hooks):
+        if getattr(module, "fwd_hooks", None):  # a TransformerLens hook point's own list
             return True
-    return False
+        hooks += (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
+    return not all(_libraries(hook) for hook in hooks)
+
+
+_LIBRARIES = frozenset({"torch", "transformers", "transformer_lens", "accelerate", "safelens"})
+
+
+def _libraries(hook: Any) -> bool:
+    """Whether `hook`'s code belongs to one of `_LIBRARIES` (a partial: its function's)."""
+    function = getattr(hook, "func", hook)
+    module = getattr(function, "__module__", None) or type(function).__module__
+    return str(module).partition(".")[0] in _LIBRARIES

@@ -35,7 +35,7 @@ from ..hf._backend import HFBackend, HFCacheOps
 from ..hf._cache import HFKeyValueCache
 from ..hf._model import hf_cache_argument
 from ._cache_pass import cache_pass
-from ._hooks import bridge_hooks, select_cache_hooks
+from ._hooks import bridge_hooks, select_cache_hooks, thread_bridge_hooks
 
 __all__ = ["BRIDGE_CACHE", "BridgeBackend"]
 
@@ -107,8 +107,8 @@ class BridgeBackend(HFBackend):
 
     @contextmanager
     def pass_hooks(self, cache: Any, fwd_hooks: FwdHooks) -> Iterator[None]:
-        """Cache hooks on `cache`; bridge hooks through the bridge's own `hooks()`."""
-        with bridge_hooks(self, cache, fwd_hooks):
+        """Cache hooks on `cache`; bridge hooks on this thread's passes only."""
+        with thread_bridge_hooks(self, cache, fwd_hooks):
             yield
 
     def cache_hook_names(self) -> list[str]:

@@ -14,16 +14,23 @@ hook name. Every name is checked before any hook is attached; the block's hooks 
 removed on exit (with `reset_hooks_end`), also on error, and a pass that fails inside
 leaves the cache as it was.
 
+safelens' own passes (`pass_hooks`: the sweeps' patches, `prefill`'s and the
+ablations' captures) attach their bridge hooks with `thread_bridge_hooks` instead: plain
+PyTorch forward hooks on the same hook points, with the same conversions, acting on the
+calling thread's passes only and removed by their own handles, so that passes on one
+bridge from several threads never see each other's hooks nor undo them.
+
 Caveats: the cache's hooks see head-major `[batch, n_kv_heads, pos, d_head]` keys after
 the rotary embedding (`safelens.backends.hf._layer`); the bridge's `hook_k` sees
-`[batch, pos, n_kv_heads, d_head]` before it. Hooks on the bridge's hook points use
-TransformerLens' bookkeeping, so while attached they act on every thread's passes
-through the bridge (unlike HookedTransformer's and HuggingFace models' safelens passes).
+`[batch, pos, n_kv_heads, d_head]` before it. Hooks attached through `bridge_hooks`
+(`run_with_hooks`) use TransformerLens' bookkeeping, so while attached they act on every
+thread's passes through the bridge, as the bridge's own `run_with_hooks` does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +42,7 @@ from ..hf._run import _pairs, split_names
 if TYPE_CHECKING:
     from ._backend import BridgeBackend
 
-__all__ = ["bridge_hooks", "select_cache_hooks"]
+__all__ = ["bridge_hooks", "select_cache_hooks", "thread_bridge_hooks"]
 
 
 def _resolve(
@@ -98,3 +105,48 @@ def bridge_hooks(
             if clear_contexts:
                 for point in cache.hook_points().values():
                     point.clear_context()
+
+
+@contextmanager
+def thread_bridge_hooks(
+    backend: BridgeBackend, cache: HFKeyValueCache, fwd_hooks: FwdHooks
+) -> Iterator[None]:
+    """`bridge_hooks` for safelens' own passes: bridge hooks act on this thread's only.
+
+    Each `fn(tensor, hook)` sees the hook point's tensor after its conversion (as
+    `add_hook` shows it), and what it returns is converted back.
+    """
+    resolved = [(_resolve(backend, names), fn) for names, fn in _pairs(fwd_hooks)]
+    cache_pairs = [(names, fn) for (_, names), fn in resolved if names]
+    hook_dict = backend.model.hook_dict if any(names for (names, _), _ in resolved) else {}
+    me = threading.get_ident()
+    handles = []
+    with cache.hooks(cache_pairs):
+        try:
+            for (names, _), fn in resolved:
+                for name in names:
+                    point = hook_dict[name]
+                    handles.append(point.register_forward_hook(_ThreadHook(me, point, fn)))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+class _ThreadHook:
+    """A hook point's forward hook running `fn` in one thread's passes, with its conversions."""
+
+    def __init__(self, thread: int, point: Any, fn: Callable[..., Any]) -> None:
+        self.thread = thread  # read by `hooked_here` / `hooked_anywhere`
+        self.point = point
+        self.fn = fn
+
+    def __call__(self, module: Any, inputs: Any, output: Any) -> Any:
+        if threading.get_ident() != self.thread:
+            return None
+        conversion = self.point.hook_conversion
+        value = output if conversion is None else conversion.convert(output)
+        result = self.fn(value, self.point)
+        if result is not None and conversion is not None:
+            result = conversion.revert(result)
+        return result
