@@ -29,12 +29,12 @@ thread's passes through the bridge, as the bridge's own `run_with_hooks` does.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from ...core._errors import HookError
+from ...core._thread_hooks import Hook, thread_hooks
 from .._backend import FwdHooks, NamesFilter
 from ..hf._cache import HFKeyValueCache
 from ..hf._run import _pairs, split_names
@@ -119,34 +119,23 @@ def thread_bridge_hooks(
     resolved = [(_resolve(backend, names), fn) for names, fn in _pairs(fwd_hooks)]
     cache_pairs = [(names, fn) for (_, names), fn in resolved if names]
     hook_dict = backend.model.hook_dict if any(names for (names, _), _ in resolved) else {}
-    me = threading.get_ident()
-    handles = []
-    with cache.hooks(cache_pairs):
-        try:
-            for (names, _), fn in resolved:
-                for name in names:
-                    point = hook_dict[name]
-                    handles.append(point.register_forward_hook(_ThreadHook(me, point, fn)))
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
+    points = [
+        (hook_dict[name], _converted(hook_dict[name], fn))
+        for (names, _), fn in resolved
+        for name in names
+    ]
+    with cache.hooks(cache_pairs), thread_hooks(points):
+        yield
 
 
-class _ThreadHook:
-    """A hook point's forward hook running `fn` in one thread's passes, with its conversions."""
+def _converted(point: Any, fn: Hook) -> Hook:
+    """`fn` on `point`'s tensor as its conversion shows it, its result converted back."""
+    conversion = point.hook_conversion
+    if conversion is None:
+        return fn
 
-    def __init__(self, thread: int, point: Any, fn: Callable[..., Any]) -> None:
-        self.thread = thread  # read by `hooked_here` / `hooked_anywhere`
-        self.point = point
-        self.fn = fn
+    def hook(tensor: Any, hook: Any) -> Any:
+        result = fn(conversion.convert(tensor), hook)
+        return None if result is None else conversion.revert(result)
 
-    def __call__(self, module: Any, inputs: Any, output: Any) -> Any:
-        if threading.get_ident() != self.thread:
-            return None
-        conversion = self.point.hook_conversion
-        value = output if conversion is None else conversion.convert(output)
-        result = self.fn(value, self.point)
-        if result is not None and conversion is not None:
-            result = conversion.revert(result)
-        return result
+    return hook
