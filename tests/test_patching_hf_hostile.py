@@ -212,11 +212,6 @@ def test_a_model_in_train_mode_with_dropout_is_refused_or_deterministic():
     assert torch.equal(first, second)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="with a tokenizer whose pad id is the BOS id (GPT-2's pad = eos = bos), every "
-    "row's leading BOS is masked as padding in a batch of several: silently wrong numbers",
-)
 def test_a_bos_that_shares_the_pad_id_is_attended(monkeypatch):
     """TransformerLens unmasks such a BOS (`get_attention_mask`), and HuggingFace's
     `generate` infers no mask when pad is eos; a prompt alone is not masked either."""

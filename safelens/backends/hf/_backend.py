@@ -173,7 +173,10 @@ class HFBackend(Backend):
 
     def default_mask(self, tokens: torch.Tensor) -> torch.Tensor:
         pad = getattr(self.tokenizer, "pad_token_id", None)
-        if tokens.shape[0] > 1 and pad is not None:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        # As `generate` infers a mask: none where the pad id is the end-of-text id (GPT-2's
+        # pad = eos = bos, where a leading pad id is the BOS).
+        if tokens.shape[0] > 1 and pad is not None and pad != eos:
             # Left padding: a row's leading pad tokens; a later pad id is a real token.
             return (tokens != pad).long().cummax(dim=-1).values
         return torch.ones_like(tokens, dtype=torch.long)
