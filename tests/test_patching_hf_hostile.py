@@ -193,23 +193,16 @@ def test_a_model_in_train_mode_without_dropout_gives_the_eval_numbers():
     assert (trained - evaluated).abs().max() <= TOL
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a model in train() mode with dropout > 0 is swept with dropout on: neither "
-    "refused nor deterministic",
-)
-def test_a_model_in_train_mode_with_dropout_is_refused_or_deterministic():
-    lm = fresh("gpt2").train()  # GPT-2's configs default to dropout 0.1
+def test_a_model_in_train_mode_with_dropout_is_refused():
+    lm = fresh("gpt2")  # GPT-2's configs default to dropout 0.1
     clean, corrupted = pair(6)
     clean_cache = clean_cache_of(lm, clean)
-    try:
-        first, second = (
-            safelens.get_act_patch_resid_pre(lm, corrupted, clean_cache, metric, progress=False)
-            for _ in range(2)
-        )
-    except SafelensError:
-        return
-    assert torch.equal(first, second)
+    lm.train()
+    before = snapshot(lm)
+    with pytest.raises(PatchingError, match=r"training mode with dropout 0\.1 .*model\.eval\(\)"):
+        safelens.get_act_patch_resid_pre(lm, corrupted, clean_cache, metric, progress=False)
+    assert lm.training
+    assert_as_found(lm, before)
 
 
 def test_a_bos_that_shares_the_pad_id_is_attended(monkeypatch):

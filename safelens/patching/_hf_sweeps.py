@@ -43,6 +43,7 @@ import torch
 from tqdm import tqdm
 
 from ..backends._backend import Backend, backend_of
+from ..core._errors import PatchingError
 from ..core._thread_hooks import hooked_anywhere
 from ._hf_shortcuts import Shortcuts, captured
 from ._hf_sites import Site, _tokens, clean_activation, put, residual_input, site_of
@@ -143,6 +144,7 @@ def run_sweep(
     editor: Editor | None = None,
 ) -> torch.Tensor:
     """The metric of every run of `runs` at its slot of a `shape` result (module notes)."""
+    _check_no_dropout(backend.model)
     batch, length = tokens.shape
     if backend.family == "bridge":
         mask = torch.ones_like(tokens, dtype=torch.long)
@@ -195,6 +197,21 @@ def run_sweep(
                     flat[slots] = scored(logits, len(chunk)).to(out.device, out.dtype)
                     bar.update(len(chunk))
     return out
+
+
+def _check_no_dropout(model: torch.nn.Module) -> None:
+    """A `PatchingError` naming a dropout that would act in the sweep's passes (train mode)."""
+    for name, module in model.named_modules():
+        if not module.training:
+            continue
+        rate = module.p if isinstance(module, torch.nn.modules.dropout._DropoutNd) else 0.0
+        rate = rate or getattr(module, "attention_dropout", 0.0)  # HF attention's own
+        if isinstance(rate, float) and rate > 0:
+            raise PatchingError(
+                f"model is in training mode with dropout {rate} at {name or 'the model'!r}: "
+                "every patched run would drop other units, and the corrupted run it reuses "
+                "yet others, so the numbers would be noise; call model.eval() first"
+            )
 
 
 @contextmanager
