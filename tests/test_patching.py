@@ -182,9 +182,9 @@ def test_errors_name_the_argument() -> None:
         safelens.get_act_patch_resid_pre(model, corrupted[:, :4], clean_cache, metric)
     with pytest.raises(PatchingError, match="no activation 'blocks.0.hook_resid_pre'"):
         safelens.get_act_patch_resid_pre(model, corrupted, {}, metric)
-    with pytest.raises(PatchingError, match=r"returned shape \(1,\)"):
+    with pytest.raises(PatchingError, match=r"returned shape \(2,\)"):
         safelens.get_act_patch_resid_pre(
-            model, corrupted, clean_cache, lambda x: x[:1, -1, 0], progress=False
+            model, corrupted, clean_cache, lambda x: x[:, -1, :2].sum(0), progress=False
         )
     with pytest.raises(PatchingError, match="max_batch must be a positive int"):
         safelens.get_act_patch_resid_pre(model, corrupted, clean_cache, metric, max_batch=0)

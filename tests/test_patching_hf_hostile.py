@@ -464,11 +464,6 @@ def test_a_metric_that_says_it_reads_the_last_position_gets_that_position_alone(
     assert (got - plain).abs().max() <= TOL
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a TransformerLens metric returning a one-element tensor [1] works in "
-    "transformer_lens.patching and is refused by the sweeps",
-)
 def test_a_metric_returning_a_one_element_tensor_is_taken_as_transformer_lens_takes_it():
     lm = bridge("llama")
     clean, corrupted = pair(6)
@@ -537,11 +532,6 @@ def test_bad_input_is_refused_naming_it_and_leaves_everything_as_found(family):
     assert all(torch.equal(clean_cache[name], held) for name, held in snapshot_of_cache.items())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="corrupted tokens with no rows pass the token check: a RuntimeError from inside "
-    "the model (a NaN grid on GPT-2 bridges)",
-)
 def test_corrupted_tokens_with_no_rows_are_refused():
     lm = model("llama")
     clean, corrupted = pair(6)
@@ -550,11 +540,6 @@ def test_corrupted_tokens_with_no_rows_are_refused():
         safelens.get_act_patch_resid_pre(lm, corrupted[:0], clean_cache, metric, progress=False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="uint8 token ids pass the token check and fail inside the embedding with a "
-    "RuntimeError that does not name corrupted_tokens",
-)
 @pytest.mark.parametrize("family", ["hf", "bridge"])
 def test_token_ids_of_a_dtype_the_embedding_refuses_are_refused_naming_them(family):
     lm = model("llama") if family == "hf" else bridge("llama")
@@ -566,11 +551,6 @@ def test_token_ids_of_a_dtype_the_embedding_refuses_are_refused_naming_them(fami
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a clean cache in another float dtype (float64, bfloat16), which TransformerLens' "
-    "setters cast, fails mid-sweep with torch's index_put RuntimeError",
-)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_a_clean_cache_of_another_float_dtype_is_cast_as_transformer_lens_casts_it(dtype):
     lm = bridge("llama")
@@ -581,21 +561,12 @@ def test_a_clean_cache_of_another_float_dtype_is_cast_as_transformer_lens_casts_
     assert (got - expected).abs().max() <= TOL
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a model of no family is told it must be a HookedTransformer, though bridges "
-    "and HuggingFace models are taken too",
-)
 def test_a_model_of_no_family_is_told_every_family_the_sweeps_take():
     clean, corrupted = pair(6)
     with pytest.raises(PatchingError, match="TransformerBridge"):
         safelens.get_act_patch_resid_pre(None, corrupted, {}, metric, progress=False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="patch_dataset does not check seed: a RuntimeError from torch.manual_seed",
-)
 def test_patch_dataset_refuses_a_seed_that_is_not_an_int():
     lm = model("llama")
     clean, corrupted = pair(5, batch=2)

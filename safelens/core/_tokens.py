@@ -19,6 +19,9 @@ from ._errors import TokenError
 
 __all__ = ["check_tokens"]
 
+# The dtypes an embedding indexes with (`torch.nn.functional.embedding`).
+_EMBEDDABLE = frozenset({torch.long, torch.int32})
+
 
 def _vocabulary(cfg: Any) -> int | None:
     for name in ("d_vocab", "vocab_size"):
@@ -57,9 +60,9 @@ def check_tokens(
 
     **Returns:** `tokens` as a tensor (no copy when it already is one).
 
-    **Raises:** [`TokenError`][safelens.TokenError] for a float or bool dtype, the wrong
-    rank, an empty last axis, an id outside `[0, d_vocab)`, or more than `n_ctx`
-    positions.
+    **Raises:** [`TokenError`][safelens.TokenError] for a dtype other than `torch.long`
+    or `torch.int32`, the wrong rank, an empty axis (with `rank` given; else an empty last
+    axis), an id outside `[0, d_vocab)`, or more than `n_ctx` positions.
 
     ```python
     >>> from types import SimpleNamespace
@@ -86,11 +89,18 @@ def check_tokens(
             "Token ids index the embedding; a bool or float tensor is almost always a mask "
             "or logits passed in the wrong place"
         )
+    if tokens.dtype not in _EMBEDDABLE:
+        raise TokenError(
+            f"{name} must hold token ids of dtype torch.long (or torch.int32), got "
+            f"{tokens.dtype}, which the embedding refuses; pass {name}.long()"
+        )
     if (rank is not None and tokens.dim() != rank) or tokens.dim() == 0:
         expected = "[batch, pos]" if rank == 2 else f"rank {rank}" if rank else "rank >= 1"
         raise TokenError(f"{name} must be {expected} token ids, got shape {tuple(tokens.shape)}")
     if tokens.shape[-1] == 0:
         raise TokenError(f"{name} must hold at least one position, got shape {tuple(tokens.shape)}")
+    if rank is not None and 0 in tokens.shape[:-1]:
+        raise TokenError(f"{name} must hold at least one prompt, got shape {tuple(tokens.shape)}")
     d_vocab = _vocabulary(cfg)
     if d_vocab is not None and tokens.numel():
         bad = (tokens < 0) | (tokens >= d_vocab)

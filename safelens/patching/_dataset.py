@@ -44,7 +44,7 @@ from jaxtyping import Float, Int
 from tqdm import tqdm
 
 from ..backends._backend import Backend, backend_of
-from ..core._arguments import flag, positive_int
+from ..core._arguments import described, flag, is_int, positive_int
 from ..core._errors import PatchingError
 from ..core._tokens import check_tokens
 from ..experiments._prefix import token_limits
@@ -226,6 +226,8 @@ def patch_dataset(
     positive_int(n_bootstrap, "n_bootstrap", error=PatchingError)
     positive_int(max_bytes, "max_bytes", error=PatchingError)
     flag(progress, "progress", error=PatchingError)
+    if not is_int(seed) or seed < 0:
+        raise PatchingError(f"seed must be a non-negative int, got {described(seed)}")
     if isinstance(confidence, bool) or not isinstance(confidence, float | int):
         raise PatchingError(f"confidence must be a float in (0, 1), got {confidence!r}")
     if not 0 < confidence < 1:

@@ -189,6 +189,11 @@ def clean_activation(
         ) from None
     if not isinstance(clean, torch.Tensor):
         raise PatchingError(f"clean_cache[{name!r}] is a {type(clean).__name__}, not a tensor")
+    if not clean.is_floating_point():
+        raise PatchingError(
+            f"clean_cache[{name!r}] holds {clean.dtype}; expected the clean run's "
+            f"floating-point activations, as {how} gives them"
+        )
     if site.transposed:
         clean = clean.transpose(1, 2)
     expected: tuple[int, ...]
@@ -234,8 +239,8 @@ def put(
     if src.numel():  # a pattern's source positions, after its destination positions
         target[site.pos_axis + 1], source[site.pos_axis + 1] = src, src
     # In place, as TransformerLens' setters: a bridge alias such as `hook_resid_mid`
-    # (`ln2.hook_in`) ignores what its hook returns.
-    tensor[tuple(target)] = clean[tuple(source)]
+    # (`ln2.hook_in`) ignores what its hook returns. Cast, as their slice assignment does.
+    tensor[tuple(target)] = clean[tuple(source)].to(tensor.dtype)
     return tensor
 
 

@@ -46,7 +46,10 @@ class _Sweep:
         activation_name: str,
     ) -> None:
         if not isinstance(model, HookedTransformer):
-            raise PatchingError(f"model must be a HookedTransformer, got {type(model).__name__}")
+            raise PatchingError(
+                "model must be a HookedTransformer, a TransformerBridge or a HuggingFace "
+                f"causal LM, got {type(model).__name__}"
+            )
         if model.cfg.positional_embedding_type == "shortformer":
             raise PatchingError(
                 "shortformer positional embeddings are not supported by the cached sweeps; "
@@ -113,6 +116,12 @@ class _Sweep:
                 f"clean_cache has no activation {name!r}; run the clean prompt with "
                 "model.run_with_cache(clean_tokens) and pass that cache"
             ) from None
+        if not isinstance(clean, torch.Tensor) or not clean.is_floating_point():
+            got = clean.dtype if isinstance(clean, torch.Tensor) else type(clean).__name__
+            raise PatchingError(
+                f"clean_cache[{name!r}] holds {got}; expected the clean run's floating-point "
+                "activations, as model.run_with_cache(clean_tokens) gives them"
+            )
         if clean.shape[0] not in (1, self.batch) or clean.shape[1:] != self.expected(layer):
             raise PatchingError(
                 f"clean_cache[{name!r}] has shape {tuple(clean.shape)}; expected [batch="
@@ -120,7 +129,9 @@ class _Sweep:
                 f"corrupted_tokens {tuple(self.tokens.shape)}. Clean and corrupted prompts "
                 "must have the same length"
             )
-        return clean.to(self.model.cfg.device).expand(self.batch, *clean.shape[1:])
+        # Cast to the activation's dtype, as TransformerLens' setters' assignments do.
+        dtype = self.corrupted.activations[name].dtype
+        return clean.to(self.model.cfg.device, dtype).expand(self.batch, *clean.shape[1:])
 
     def heads(self) -> int:
         """Heads of a head index: what `hook_k`/`hook_v` hold for keys and values."""

@@ -33,8 +33,8 @@ def reads_last_position(metric: object) -> bool:
 class _Metric:
     """A batched metric, or a per-run (TransformerLens-style scalar) one.
 
-    Which it is shows at the first call with several runs: a scalar for all of them
-    means per-run. Whatever it returns is checked against what was expected.
+    Which it is shows at the first call with several runs: one value (a scalar, or a
+    one-element tensor) for all of them means per-run. Whatever it returns is checked against what was expected.
     """
 
     def __init__(self, fn: Metric, batch: int) -> None:
@@ -49,7 +49,9 @@ class _Metric:
             )
         values = self._values(logits, runs, scalar_ok=self.per_run is None)
         if runs > 1:
-            self.per_run = values.dim() == 0
+            # One value for several runs: per run (TransformerLens takes any one-element
+            # result, `.item()`).
+            self.per_run = values.numel() == 1
             if self.per_run:
                 return self(logits, runs)
         return values.reshape(runs)
@@ -66,7 +68,7 @@ class _Metric:
         if (
             values is None
             or values.is_complex()
-            or not (values.numel() == runs or (scalar_ok and values.dim() == 0))
+            or not (values.numel() == runs or (scalar_ok and values.numel() == 1))
         ):
             got = f"shape {tuple(values.shape)}" if values is not None else _describe(value)
             if values is not None and values.is_complex():
