@@ -257,11 +257,6 @@ def test_phi3_bridge_key_sweep_equals_transformer_lens():
     assert (got - expected).abs().max() <= TOL
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a bridge with a zero-ablated attention output (W_O = 0) is refused the pattern "
-    "sweeps as a bridge 'whose attention ignores hook_pattern'",
-)
 def test_pattern_sweep_on_a_bridge_with_an_ablated_layer_equals_transformer_lens():
     lm = bridge("llama", layers=1)  # its weights are edited below, and put back
     clean, corrupted = pair(6)

@@ -22,7 +22,8 @@ patch takes effect only where the bridge's attention computes its output from wh
 GPT-2 attention do; a bridge that runs HuggingFace's own attention (TransformerLens'
 OPT adapter, for one) fires the hook after the output is computed, or not at all, and
 is refused: before each sweep, one pass of `n_layers + 1` copies of the first corrupted
-prompt zeroes each layer's pattern in one copy, and every layer must change the logits.
+prompt zeroes each layer's pattern in one copy, and every layer must change the logits
+or its own head outputs (`hook_z`).
 """
 
 from __future__ import annotations
@@ -75,16 +76,35 @@ def _check_pattern_hook(model: Any, corrupted_tokens: Any, what: str) -> None:
         return hook
 
     names = [f"blocks.{layer}.attn.hook_pattern" for layer in range(n_layers)]
+    heads: dict[int, torch.Tensor] = {}
+
+    def kept(layer: int) -> Callable[..., None]:
+        def hook(z: torch.Tensor, hook: Any = None) -> None:
+            heads[layer] = z.detach().clone()
+
+        return hook
+
+    outputs = [(f"blocks.{layer}.attn.hook_z", kept(layer)) for layer in range(n_layers)]
+    outputs = [(name, fn) for name, fn in outputs if name in model.hook_dict]
     with torch.no_grad(), warnings.catch_warnings():
         # TransformerLens 4 warns of what this pass tests, where it holds
         warnings.filterwarnings("ignore", "A hook on .*hook_pattern returned a modified tensor")
         logits = model.run_with_hooks(
             tokens.repeat(n_layers + 1, 1),
-            fwd_hooks=[(name, zeroed(layer)) for layer, name in enumerate(names)],
+            fwd_hooks=[(name, zeroed(layer)) for layer, name in enumerate(names)] + outputs,
         )
-    bound = 8 * torch.finfo(logits.dtype).eps * (1 + float(logits[0].abs().max()))
+
+    def moved(tensor: torch.Tensor | None, layer: int) -> bool:
+        """Whether copy `layer + 1` of `tensor` differs from copy 0 (a few float steps)."""
+        if tensor is None:
+            return False
+        bound = 8 * torch.finfo(tensor.dtype).eps * (1 + float(tensor[0].abs().max()))
+        return float((tensor[layer + 1] - tensor[0]).abs().max()) > bound
+
     for layer, name in enumerate(names):
-        if float((logits[layer + 1] - logits[0]).abs().max()) <= bound:
+        # The layer's head outputs show the hook is used where its output projection (or
+        # a hook of the user's) makes the logits blind to them.
+        if not (moved(logits, layer) or moved(heads.get(layer), layer)):
             attention = type(model.blocks[layer].attn).__name__
             raise PatchingError(
                 f"{what} patches {name}, which this bridge's attention ({attention}) does "
