@@ -241,11 +241,6 @@ def test_an_instance_forward_of_the_users_is_kept_and_run():
     assert [layer.__dict__["forward"] for layer in lm.model.layers] == installed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Phi-3 bridge: hook_rot_k exists but never fires, so the k sweeps ask for it "
-    "in bridge.run_with_cache's cache and refuse the cache they asked for",
-)
 def test_phi3_bridge_key_sweep_equals_transformer_lens():
     lm = bridge("phi3")
     clean, corrupted = pair(7)

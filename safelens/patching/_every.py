@@ -89,7 +89,7 @@ def _check_seam_model(
         _check_pattern_hook(model, tokens, bundle)
     for activation in activations:
         try:
-            site = site_of(backend, activation)
+            site = site_of(backend, activation, clean_cache)
             for layer in range(backend.n_layers):
                 site.hook(layer)
                 clean_activation(backend, site, clean_cache, layer, *tokens.shape)

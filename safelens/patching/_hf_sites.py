@@ -121,12 +121,26 @@ def _module_name(backend: Backend, activation: str, layer: int) -> str:
     )
 
 
-def site_of(backend: Backend, activation: str) -> Site:
-    """The site of `activation` on `backend`'s model, or a `PatchingError` saying why none."""
+def site_of(backend: Backend, activation: str, clean_cache: Any = None) -> Site:
+    """The site of `activation` on `backend`'s model, or a `PatchingError` saying why none.
+
+    On a bridge whose attention never fires `attn.hook_rot_k` (Phi-3's joint
+    projection), so that `clean_cache` has `attn.hook_k` alone, keys are patched at
+    `attn.hook_k`, before the rotary embedding, as TransformerLens patches them.
+    """
     config = backend.config  # type: ignore[attr-defined]
     n_heads = int(config.num_attention_heads)
     tl = TL_NAMES[activation]
     layout = backend.caches.layout
+
+    def tl_name(layer: int) -> str:
+        return f"blocks.{layer}.{tl}"
+
+    unrotated = not _holds(clean_cache, "blocks.0.attn.hook_rot_k") and _holds(
+        clean_cache, "blocks.0.attn.hook_k"
+    )
+    if activation == "k" and backend.family == "bridge" and unrotated:
+        return Site(activation, tl_name, tl_name, 1, 2, backend.n_kv_heads)
     if activation in ("k", "v"):
         point = f"hook_{activation}_new"
 
@@ -148,10 +162,6 @@ def site_of(backend: Backend, activation: str) -> Site:
 
         return Site(activation, cache_name, clean, 2, 1, backend.n_kv_heads, True, full=full_name)
     heads = n_heads if activation in ("q", "z", "pattern") else 0
-
-    def tl_name(layer: int) -> str:
-        return f"blocks.{layer}.{tl}"
-
     if backend.family == "bridge":
         if activation == "pattern":  # [batch, n_heads, dest_pos, src_pos]
             return Site(activation, tl_name, tl_name, 2, 1, heads)
@@ -169,6 +179,14 @@ def site_of(backend: Backend, activation: str) -> Site:
         "or mlp_out, or wrap the model in a TransformerLens TransformerBridge, whose hook "
         "points cover q, z, pattern and resid_mid"
     )
+
+
+def _holds(cache: Any, name: str) -> bool:
+    """Whether `cache` (an `ActivationCache`, a dict, or `None`) holds `name`."""
+    try:
+        return cache is not None and name in cache.keys()
+    except (AttributeError, TypeError):
+        return False
 
 
 def clean_activation(

@@ -102,7 +102,7 @@ def seam_patch(
     """
     _check_limits(max_batch, max_bytes, progress)
     backend = backend_of(model, "patching")
-    site = site_of(backend, activation)
+    site = site_of(backend, activation, clean_cache)
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
     batch, length = tokens.shape
     clean = [
