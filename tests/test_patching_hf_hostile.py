@@ -398,11 +398,6 @@ def test_a_user_hook_raising_in_a_patched_pass_leaves_the_model_as_found(family,
         handle.remove()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an exception from a user's hook during the shortcut check is swallowed (the "
-    "shortcut is dropped and the sweep goes on) instead of reaching the caller",
-)
 def test_an_error_in_a_users_hook_reaches_the_caller():
     lm = model("llama", layers=3)
     clean, corrupted = pair(10)

@@ -21,7 +21,8 @@ and from every other layer (the last position alone), and must give the corrupte
 logits (within 1e-4 of the largest logit in float32, 3e-2 in half precision). A family
 where a shortcut does not hold (one that carries state from layer to layer beside the
 residual stream, an MLP whose output is not added to the residual stream) fails the
-check and runs without it: exact, slower.
+check, by its logits or by an error raised in the libraries' code, and runs without it:
+exact, slower. An error raised in the user's code (a hook) reaches the caller.
 
 While a hook of the user's is attached anywhere in the model (`hooked_anywhere`), no
 pass runs fewer positions than the prompt's (no trims here, no reused positions in
@@ -205,8 +206,19 @@ def _holds(check: Callable[[Shortcuts, int, int], bool], shortcuts: Shortcuts) -
         checks = [(first, 0) for first in range(last, 0, -1)] or [(0, 0)]
     try:
         return all(check(shortcuts, first, start) for first, start in checks)
-    except Exception:  # noqa: BLE001 - a family the shortcut does not fit runs without it
-        return False
+    except Exception as error:
+        if not _raised_in_libraries(error):
+            raise  # the user's code (a hook, a module of theirs): theirs to see
+        return False  # a family the shortcut does not fit runs without it
+
+
+def _raised_in_libraries(error: BaseException) -> bool:
+    """Whether `error` was raised in torch, transformers, TransformerLens or safelens code."""
+    frame = error.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    module = "" if frame is None else str(frame.tb_frame.f_globals.get("__name__", ""))
+    return module.partition(".")[0] in {"torch", "transformers", "transformer_lens", "safelens"}
 
 
 def _unembedding(backend: Backend) -> Any:
