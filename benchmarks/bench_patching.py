@@ -9,7 +9,8 @@ the k grid with the same metric as a plain function, which the sweeps cannot ski
 positions for. The grids patch between two independent random prompts, which share no
 activation (the worst case); one row patches between prompts that differ at the middle
 position alone, as an experiment's pair usually shares positions: the patches before it
-change nothing and run no pass (`safelens.patching._unchanged`).
+change nothing and run no pass (`safelens.patching._unchanged`). That row's metric is the
+raw logit difference: one token barely moves the normalised metric's denominator.
 """
 
 from __future__ import annotations
@@ -36,7 +37,19 @@ def _setup(n_layers: int, length: int, shared: bool = False):
     with torch.no_grad():
         clean_logits, clean_cache = model.run_with_cache(clean)
         metric = safelens.logit_diff_metric(clean_logits, model(corrupted), 3, 5)
+    if shared:
+        # One token moves the normalised metric's denominator (clean minus corrupted)
+        # little, which would magnify float rounding a hundredfold: the raw difference.
+        metric = _logit_difference
     return model, corrupted, clean_cache, metric
+
+
+def _logit_difference(logits: torch.Tensor) -> torch.Tensor:
+    """The last position's logit of token 3 minus token 5, per row (batch 1: per run)."""
+    return logits[:, -1, 3] - logits[:, -1, 5]
+
+
+_logit_difference.last_position_only = True  # type: ignore[attr-defined]
 
 
 def _compare(
