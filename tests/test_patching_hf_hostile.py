@@ -457,7 +457,9 @@ def test_a_metric_returning_a_one_element_tensor_is_taken_as_transformer_lens_ta
     def one_element(logits):
         return (logits[:, -1, ANSWER] - logits[:, -1, WRONG]).mean(0, keepdim=True)
 
-    expected = patching.get_act_patch_resid_pre(lm, corrupted, clean_cache, one_element)
+    # TransformerLens 3.9 takes the one-element result itself (`.item()`), 4.x only a scalar.
+    scalar = lambda logits: one_element(logits)[0]  # noqa: E731
+    expected = patching.get_act_patch_resid_pre(lm, corrupted, clean_cache, scalar)
     got = safelens.get_act_patch_resid_pre(lm, corrupted, clean_cache, one_element, progress=False)
     assert (got - expected).abs().max() <= TOL
 

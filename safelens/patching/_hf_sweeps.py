@@ -34,9 +34,7 @@ everything else a sweep attaches acts on its own thread only.
 from __future__ import annotations
 
 import itertools
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,7 +47,7 @@ from ._hf_shortcuts import Shortcuts, captured
 from ._hf_sites import Site, _tokens, clean_activation, put, residual_input, site_of
 from ._limits import _check_limits
 from ._metric import Metric, _Metric
-from ._unchanged import unchanged
+from ._unchanged import idle_runs, seeing
 
 __all__ = ["Editor", "Run", "is_seam_model", "run_sweep", "seam_patch"]
 
@@ -157,7 +155,10 @@ def run_sweep(
     with torch.no_grad():
         corrupted = backend.empty_cache(batch)
         seen: dict[int, torch.Tensor] = {}
-        with captured(backend) as (inputs, forms), _seeing(backend, site, corrupted, seen, editor):
+        with (
+            captured(backend) as (inputs, forms),
+            seeing(backend, site, corrupted, seen, editor is not None),
+        ):
             corrupted_logits = backend.forward(tokens, mask, corrupted)
         corrupted.freeze()
         pass_ = _Pass(backend, site, tokens, mask, corrupted, clean, editor)
@@ -174,7 +175,7 @@ def run_sweep(
         shortcuts = Shortcuts.of(
             backend, site.activation, patching_metric, inputs, forms, check, partial
         )
-        idle = _idle(site, clean, seen, runs)
+        idle = idle_runs(site, clean, seen, runs)
         if idle:
             logits = corrupted_logits[:, -1:] if shortcuts.last_only else corrupted_logits
             slots = torch.tensor([run[0] for run in idle], device=out.device)
@@ -212,48 +213,6 @@ def _check_no_dropout(model: torch.nn.Module) -> None:
                 "every patched run would drop other units, and the corrupted run it reuses "
                 "yet others, so the numbers would be noise; call model.eval() first"
             )
-
-
-@contextmanager
-def _seeing(
-    backend: Backend, site: Site, cache: Any, seen: dict[int, torch.Tensor], editor: Editor | None
-) -> Iterator[None]:
-    """Within the block, `seen[layer]` gets the tensor the site's patch hook sees (this thread's).
-
-    Nothing for a generic sweep (`editor`): its setter may write anything.
-    """
-    if editor is not None:
-        yield
-        return
-    me = threading.get_ident()
-
-    def keep(layer: int) -> Callable[..., None]:
-        def hook(tensor: torch.Tensor, hook: Any = None) -> None:
-            if threading.get_ident() == me:
-                seen[layer] = tensor.detach().clone()
-
-        return hook
-
-    hooked = [(site.hook(layer), keep(layer)) for layer in range(backend.n_layers)]
-    inputs = {layer: keep(layer) for layer, (name, _) in enumerate(hooked) if name is None}
-    pairs = [(name, hook) for name, hook in hooked if name is not None]
-    with residual_input(backend, inputs), backend.pass_hooks(cache, pairs):  # type: ignore[arg-type]
-        yield
-
-
-def _idle(
-    site: Site, clean: list[torch.Tensor], seen: dict[int, torch.Tensor], runs: list[Run]
-) -> list[Run]:
-    """The runs whose patch writes only what the corrupted run holds (`_unchanged`)."""
-    if not runs or len(seen) < len(clean):
-        return []
-    fields = [field for field in (2, 4, 3) if runs[0][field] is not None]  # pos, src, head
-    axes = {2: site.pos_axis, 4: site.pos_axis + 1, 3: site.head_axis}
-    same = [
-        unchanged(clean[layer], seen[layer], [axes[field] for field in fields])
-        for layer in range(len(clean))
-    ]
-    return [run for run in runs if same[run[1]][tuple(run[field] for field in fields)]]
 
 
 def _passes(

@@ -42,7 +42,7 @@ that does is refused with a `PatchingError`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import pandas as pd
 import torch
@@ -52,7 +52,7 @@ from ._hf_sites import TL_NAMES, TL_NAMES_ON_HF
 from ._hf_sweeps import is_seam_model, seam_patch
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
 from ._metric import Metric
-from ._unchanged import unchanged
+from ._unchanged import known_setter_axes, unchanged
 
 if TYPE_CHECKING:
     from transformer_lens import ActivationCache, HookedTransformer
@@ -278,30 +278,13 @@ def generic_activation_patch(
             own.copy_((full if patched is None else patched)[:, start:])
 
     idle: list[Run] = []
-    writes = _known_setter_axes(patch_setter)
+    writes = known_setter_axes(patch_setter)
     if writes is not None and all(len(run.index) == len(writes) + 1 for run in runs):
         runs, idle = _idle(sweep, runs, writes)
     result = sweep.run(
         runs, shape, patch, patching_metric, max_batch, max_bytes, progress, idle=idle
     )
     return (result, index_df) if return_index_df else result
-
-
-def _known_setter_axes(patch_setter: Any) -> list[int] | None:
-    """The activation axes a TransformerLens setter writes at the index after the layer.
-
-    `None` for any other setter: it may write anything, so none of its runs is skipped.
-    """
-    from transformer_lens import patching
-
-    return {
-        patching.layer_pos_patch_setter: [1],
-        patching.layer_pos_head_vector_patch_setter: [1, 2],
-        patching.layer_head_vector_patch_setter: [2],
-        patching.layer_head_pattern_patch_setter: [1],
-        patching.layer_head_pos_pattern_patch_setter: [1, 2],
-        patching.layer_head_dest_src_pos_pattern_patch_setter: [1, 2, 3],
-    }.get(patch_setter)
 
 
 _EXAMPLE = """

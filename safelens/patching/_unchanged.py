@@ -12,16 +12,25 @@ the costliest ones (they recompute the most positions).
 The test is bitwise, on the tensor the patch would be written into, every row of the
 batch: values equal only after rounding, `-0.0` against `0.0`, and NaN all count as a
 change and run as usual. A generic sweep skips only with one of TransformerLens' own
-setters, whose writes are known; any other `patch_setter` may write anything.
+setters, whose writes are known (`known_setter_axes`); any other `patch_setter` may
+write anything. On a bridge or HuggingFace model the corrupted run's tensors at the
+sweep's site are captured as its patch hook would see them (`seeing`), and compared
+there (`idle_runs`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 
-__all__ = ["unchanged"]
+from ..backends._backend import Backend
+from ._hf_sites import Site, residual_input
+
+__all__ = ["idle_runs", "known_setter_axes", "seeing", "unchanged"]
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -46,3 +55,65 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     if not tensor.is_floating_point():
         return tensor
     return tensor.view(_BITS[tensor.element_size()])
+
+
+def known_setter_axes(patch_setter: Any) -> list[int] | None:
+    """The activation axes a TransformerLens setter writes at the index after the layer.
+
+    `None` for any other setter: it may write anything, so none of its runs is skipped.
+    """
+    from transformer_lens import patching
+
+    return {
+        patching.layer_pos_patch_setter: [1],
+        patching.layer_pos_head_vector_patch_setter: [1, 2],
+        patching.layer_head_vector_patch_setter: [2],
+        patching.layer_head_pattern_patch_setter: [1],
+        patching.layer_head_pos_pattern_patch_setter: [1, 2],
+        patching.layer_head_dest_src_pos_pattern_patch_setter: [1, 2, 3],
+    }.get(patch_setter)
+
+
+# -- TransformerBridge and HuggingFace sweeps (`safelens.patching._hf_sweeps`) -----------
+
+
+@contextmanager
+def seeing(
+    backend: Backend, site: Site, cache: Any, seen: dict[int, torch.Tensor], generic: bool
+) -> Iterator[None]:
+    """Within the block, `seen[layer]` gets the tensor the site's patch hook sees (this thread's).
+
+    Nothing for a `generic` sweep: its setter may write anything.
+    """
+    if generic:
+        yield
+        return
+    me = threading.get_ident()
+
+    def keep(layer: int) -> Callable[..., None]:
+        def hook(tensor: torch.Tensor, hook: Any = None) -> None:
+            if threading.get_ident() == me:
+                seen[layer] = tensor.detach().clone()
+
+        return hook
+
+    hooked = [(site.hook(layer), keep(layer)) for layer in range(backend.n_layers)]
+    inputs = {layer: keep(layer) for layer, (name, _) in enumerate(hooked) if name is None}
+    pairs = [(name, hook) for name, hook in hooked if name is not None]
+    with residual_input(backend, inputs), backend.pass_hooks(cache, pairs):  # type: ignore[arg-type]
+        yield
+
+
+def idle_runs(
+    site: Site, clean: list[torch.Tensor], seen: dict[int, torch.Tensor], runs: list[Any]
+) -> list[Any]:
+    """The runs `(slot, layer, pos, head, src)` whose patch writes what `seen` holds."""
+    if not runs or len(seen) < len(clean):
+        return []
+    fields = [field for field in (2, 4, 3) if runs[0][field] is not None]  # pos, src, head
+    axes = {2: site.pos_axis, 4: site.pos_axis + 1, 3: site.head_axis}
+    same = [
+        unchanged(clean[layer], seen[layer], [axes[field] for field in fields])
+        for layer in range(len(clean))
+    ]
+    return [run for run in runs if same[run[1]][tuple(run[field] for field in fields)]]
