@@ -11,9 +11,6 @@ hooks attached), and on plain HuggingFace models `test_patching_hf.reference`, a
 torch-hooked forwards without safelens. A failed call must leave the model as found:
 every module's torch hooks and pre-hooks, its instance `forward` attributes, the
 bridge's hook points and context level, its parameters, and safelens' own bookkeeping.
-
-Tests marked `xfail(strict=True)` pin bugs: each fails today, and turns the suite red
-(XPASS) once the bug is fixed, so that its mark gets removed.
 """
 
 from __future__ import annotations
