@@ -29,6 +29,7 @@ from transformer_lens import patching
 
 import safelens
 from safelens import PatchingError, SafelensError, run_with_patching_cache
+from safelens.backends._backend import backend_of
 from safelens.backends.bridge import _cache_pass
 from safelens.backends.hf import _skip
 
@@ -203,8 +204,8 @@ def test_a_model_in_train_mode_with_dropout_is_refused():
 
 
 def test_a_bos_that_shares_the_pad_id_is_attended(monkeypatch):
-    """TransformerLens unmasks such a BOS (`get_attention_mask`), and HuggingFace's
-    `generate` infers no mask when pad is eos; a prompt alone is not masked either."""
+    """TransformerLens unmasks such a BOS (`get_attention_mask`); a prompt alone is not
+    masked either."""
     lm = model("gpt2")
     tokenizer = SimpleNamespace(pad_token_id=0, bos_token_id=0, eos_token_id=0, padding_side="left")
     monkeypatch.setattr(lm, "tokenizer", tokenizer, raising=False)
@@ -214,6 +215,28 @@ def test_a_bos_that_shares_the_pad_id_is_attended(monkeypatch):
     got = safelens.get_act_patch_resid_pre(lm, corrupted, clean_cache, metric, progress=False)
     cells = [(layer, pos) for layer in range(2) for pos in (0, 3, 6)]
     expected = reference(lm, "resid_pre", cells, clean, corrupted, torch.ones_like(clean))
+    assert (got[tuple(torch.tensor(cells).T)] - expected).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("bos", [0, 1])
+def test_left_padding_is_masked_and_a_bos_that_shares_the_pad_id_kept(monkeypatch, bos):
+    """Pad id 0 (also the end-of-text id, as Llama users often set it): a row's leading
+    pads are masked; where the BOS shares the id, the last of them is the BOS, attended."""
+    lm = model("llama")
+    tokenizer = SimpleNamespace(pad_token_id=0, bos_token_id=bos, eos_token_id=0)
+    monkeypatch.setattr(lm, "tokenizer", tokenizer, raising=False)
+    clean, corrupted = pair(8, batch=2)
+    for tokens in (clean, corrupted):
+        tokens[tokens == 0] = 2  # no pad id but where placed here
+        tokens[0, :3] = torch.tensor([0, 0, bos])  # two pads, then the BOS
+        tokens[1, 0] = bos  # the BOS, no padding
+    mask = torch.ones_like(clean)
+    mask[0, :2] = 0
+    assert torch.equal(backend_of(lm).default_mask(clean), mask)
+    clean_cache = clean_cache_of(lm, clean)
+    got = safelens.get_act_patch_resid_pre(lm, corrupted, clean_cache, metric, progress=False)
+    cells = [(layer, pos) for layer in range(2) for pos in (3, 5, 7)]
+    expected = reference(lm, "resid_pre", cells, clean, corrupted, mask)
     assert (got[tuple(torch.tensor(cells).T)] - expected).abs().max() <= TOL
 
 

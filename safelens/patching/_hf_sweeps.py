@@ -22,9 +22,9 @@ may index positions); it still starts at the layer of its patch.
 
 Positions and padding, as the reference does: on a bridge, every position is attended
 with positions `0…pos-1`, as `bridge(tokens)` does for a tensor of tokens; on a
-HuggingFace model, the mask comes from `model.tokenizer` (left padding) when it has a
-pad token other than its end-of-text one, and positions from the mask, as `generate`
-gives them.
+HuggingFace model, the mask comes from `model.tokenizer` (left padding, a BOS that
+shares the pad id attended) when it has a pad token, and positions from the mask, as
+`generate` gives them.
 
 Caveat: the memory budget bounds the rows of one pass. Hooks on a bridge's own hook
 points act on every thread's passes while a sweep runs (TransformerLens' bookkeeping);

@@ -173,12 +173,16 @@ class HFBackend(Backend):
 
     def default_mask(self, tokens: torch.Tensor) -> torch.Tensor:
         pad = getattr(self.tokenizer, "pad_token_id", None)
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        # As `generate` infers a mask: none where the pad id is the end-of-text id (GPT-2's
-        # pad = eos = bos, where a leading pad id is the BOS).
-        if tokens.shape[0] > 1 and pad is not None and pad != eos:
+        if tokens.shape[0] > 1 and pad is not None:
             # Left padding: a row's leading pad tokens; a later pad id is a real token.
-            return (tokens != pad).long().cummax(dim=-1).values
+            mask = (tokens != pad).long().cummax(dim=-1).values
+            if pad == getattr(self.tokenizer, "bos_token_id", None):
+                # The last leading pad id is the BOS (GPT-2's pad = eos = bos), attended
+                # as TransformerLens' `get_attention_mask` attends it.
+                leading = (mask == 0).sum(dim=-1)
+                rows = torch.nonzero(leading).squeeze(-1)
+                mask[rows, leading[rows] - 1] = 1
+            return mask
         return torch.ones_like(tokens, dtype=torch.long)
 
     # -- caches and passes ----------------------------------------------------------------
