@@ -37,6 +37,19 @@ class Row:
         return self.reference / self.safelens if self.safelens else float("inf")
 
 
+def logit_difference(logits: torch.Tensor) -> torch.Tensor:
+    """The last position's logit of token 3 minus token 5, per row (batch 1: per run)."""
+    return logits[:, -1, 3] - logits[:, -1, 5]
+
+
+def declared_logit_difference(logits: torch.Tensor) -> torch.Tensor:
+    """`logit_difference`, saying it reads the last position only (as `logit_diff_metric`)."""
+    return logit_difference(logits)
+
+
+declared_logit_difference.last_position_only = True  # type: ignore[attr-defined]
+
+
 def best_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> float:
     """The fastest of `repeats` wall-clock runs of `fn`, after `warmup` runs."""
     for _ in range(warmup):

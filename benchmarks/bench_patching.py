@@ -21,7 +21,7 @@ import torch
 
 import safelens
 
-from ._common import Row, rotary_model, time_grid
+from ._common import Row, declared_logit_difference, rotary_model, time_grid
 
 TARGET = "≥10× faster than TransformerLens' patching functions, max abs difference ≤1e-4"
 GRIDS = {"k": "k", "v": "v", "q": "q", "z": "out"}
@@ -40,16 +40,8 @@ def _setup(n_layers: int, length: int, shared: bool = False):
     if shared:
         # One token moves the normalised metric's denominator (clean minus corrupted)
         # little, which would magnify float rounding a hundredfold: the raw difference.
-        metric = _logit_difference
+        metric = declared_logit_difference
     return model, corrupted, clean_cache, metric
-
-
-def _logit_difference(logits: torch.Tensor) -> torch.Tensor:
-    """The last position's logit of token 3 minus token 5, per row (batch 1: per run)."""
-    return logits[:, -1, 3] - logits[:, -1, 5]
-
-
-_logit_difference.last_position_only = True  # type: ignore[attr-defined]
 
 
 def _compare(

@@ -22,24 +22,11 @@ import argparse
 
 import torch
 
-from ._common import Row, time_grid
+from ._common import Row, declared_logit_difference, logit_difference, time_grid
 from .bench_hf import FULL, QUICK, VOCAB, bridge_model
 
 TARGET = "≥10× vs transformer_lens.patching on the bridge, ≤1e-4"
 NAMES = {"k": "get_act_patch_attn_head_k_by_pos", "v": "get_act_patch_attn_head_v_by_pos"}
-
-
-def _plain(logits: torch.Tensor) -> torch.Tensor:
-    """Logit difference at the last position, one value per row (batch 1: per run)."""
-    return logits[:, -1, 3] - logits[:, -1, 5]
-
-
-def _declared(logits: torch.Tensor) -> torch.Tensor:
-    """`_plain`, saying it reads the last position only (as `logit_diff_metric`)."""
-    return _plain(logits)
-
-
-_declared.last_position_only = True  # type: ignore[attr-defined]
 
 
 def grid_row(
@@ -60,7 +47,7 @@ def grid_row(
     if shared:
         corrupted = clean.clone()
         corrupted[0, length // 2] = clean[0, length // 2] % (VOCAB - 1) + 1
-    metric = _declared if declared else _plain
+    metric = declared_logit_difference if declared else logit_difference
     with torch.no_grad():
         _, clean_cache = bridge.run_with_cache(clean)
     ours_s, theirs_s, agree, note = time_grid(

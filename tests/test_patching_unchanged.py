@@ -245,3 +245,21 @@ def test_hooked_pattern_sweep_skips_rows_before_the_split(hooked_runs):
     assert (got - got.flatten()[0]).abs().max() > 1e-6
     # [layer, head, dest_pos]: rows before SPLIT are the corrupted run's in both runs.
     assert hooked_runs and min(index[2] for index in hooked_runs) == SPLIT
+
+
+@pytest.mark.parametrize(
+    "kind", [pytest.param("hooked", marks=pytest.mark.hooked_transformer), "bridge"]
+)
+def test_a_skipped_patch_keeps_no_graph_with_gradients_on(kind):
+    """The corrupted run's metric enters the grid as a value, as the patched runs' do."""
+    if kind == "hooked":
+        from models import make_model, tokens
+
+        lm, make = make_model("rotary", n_kv_heads=2), tokens
+    else:
+        lm, make = bridge("llama"), ids
+    clean, corrupted = pair(lambda batch, length, seed: make(batch, length, seed))
+    with torch.enable_grad():
+        _, clean_cache = lm.run_with_cache(clean)
+        got = safelens.get_act_patch_resid_pre(lm, corrupted, clean_cache, metric, progress=False)
+    assert not got.requires_grad and got.grad_fn is None

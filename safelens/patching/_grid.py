@@ -155,10 +155,6 @@ def sweep(
     plan = Plan.of(model, hook_name(last).removeprefix(f"blocks.{last}."), single_position, metric)
     patch = _Patch(hook_name, patcher)
     flat = out.view(-1)
-    if idle:
-        logits = corrupted.logits[:, -1:] if plan.last_only else corrupted.logits
-        slots = torch.tensor([run.slot for run in idle], device=out.device)
-        flat[slots] = scored(logits, 1).to(out.device, out.dtype)
     by_pos: dict[int, list[Run]] = {}
     for run in runs:
         start = run.pos - run.pos % _SPAN if plan.reuses_positions else 0
@@ -168,6 +164,10 @@ def sweep(
         shared_prefix_attention(model),
         tqdm(total=len(runs) + len(idle or ()), disable=not progress, desc="patching") as bar,
     ):
+        if idle:
+            logits = corrupted.logits[:, -1:] if plan.last_only else corrupted.logits
+            slots = torch.tensor([run.slot for run in idle], device=out.device)
+            flat[slots] = scored(logits.detach(), 1).to(out.device, out.dtype)
         bar.update(len(idle or ()))
         for pos, group in sorted(by_pos.items()):
             group.sort(key=lambda run: run.layer)

@@ -136,7 +136,7 @@ def site_of(backend: Backend, activation: str, clean_cache: Any = None) -> Site:
     def tl_name(layer: int) -> str:
         return f"blocks.{layer}.{tl}"
 
-    unrotated = not _holds(clean_cache, "blocks.0.attn.hook_rot_k") and _holds(
+    unrotated = not _has(clean_cache, "blocks.0.attn.hook_rot_k") and _has(
         clean_cache, "blocks.0.attn.hook_k"
     )
     if activation == "k" and backend.family == "bridge" and unrotated:
@@ -181,7 +181,7 @@ def site_of(backend: Backend, activation: str, clean_cache: Any = None) -> Site:
     )
 
 
-def _holds(cache: Any, name: str) -> bool:
+def _has(cache: Any, name: str) -> bool:
     """Whether `cache` (an `ActivationCache`, a dict, or `None`) holds `name`."""
     try:
         return cache is not None and name in cache.keys()

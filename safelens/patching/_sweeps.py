@@ -52,7 +52,7 @@ from ._hf_sites import TL_NAMES, TL_NAMES_ON_HF
 from ._hf_sweeps import is_seam_model, seam_patch
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
 from ._metric import Metric
-from ._unchanged import known_setter_axes, unchanged
+from ._unchanged import known_setter_axes, marked, unchanged
 
 if TYPE_CHECKING:
     from transformer_lens import ActivationCache, HookedTransformer
@@ -167,8 +167,9 @@ def _idle(sweep: _Sweep, runs: list[Run], axes: list[int]) -> tuple[list[Run], l
         unchanged(sweep.clean[layer], sweep.corrupted.activations[sweep.hook_name(layer)], axes)
         for layer in range(sweep.model.cfg.n_layers)
     ]
-    idle = [run for run in runs if same[run.index[0]][run.index[1:]]]
-    return [run for run in runs if not same[run.index[0]][run.index[1:]]], idle
+    flags = marked(same, [run.index for run in runs])
+    idle = [run for run, flag in zip(runs, flags, strict=True) if flag]
+    return [run for run, flag in zip(runs, flags, strict=True) if not flag], idle
 
 
 def generic_activation_patch(

@@ -30,7 +30,7 @@ import torch
 from ..backends._backend import Backend
 from ._hf_sites import Site, residual_input
 
-__all__ = ["idle_runs", "known_setter_axes", "seeing", "unchanged"]
+__all__ = ["idle_runs", "known_setter_axes", "marked", "seeing", "unchanged"]
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -48,6 +48,14 @@ def unchanged(clean: torch.Tensor, corrupted: torch.Tensor, keep: Sequence[int])
         same &= ~clean.isnan()
     rest = [axis for axis in range(same.dim()) if axis not in keep]
     return same.permute(*keep, *rest).flatten(len(keep)).all(-1).cpu()
+
+
+def marked(same: list[torch.Tensor], cells: list[tuple[int, ...]]) -> list[bool]:
+    """`same[layer][rest]` for every cell `(layer, *rest)`: one indexing for all of them."""
+    if not cells:
+        return []
+    flags = torch.stack(same)[tuple(torch.tensor(cells).T)]
+    return [bool(flag) for flag in flags.tolist()]
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -116,4 +124,5 @@ def idle_runs(
         unchanged(clean[layer], seen[layer], [axes[field] for field in fields])
         for layer in range(len(clean))
     ]
-    return [run for run in runs if same[run[1]][tuple(run[field] for field in fields)]]
+    cells = [(run[1], *(run[field] for field in fields)) for run in runs]
+    return [run for run, idle in zip(runs, marked(same, cells), strict=True) if idle]
