@@ -412,10 +412,12 @@ class KeyValueCache:
         ```python
         >>> import tempfile, pathlib
         >>> cache = KeyValueCache([KeyValueCacheEntry(torch.ones(1, 5, 2, 4), torch.ones(1, 5, 2, 4))])
-        >>> path = pathlib.Path(tempfile.mkdtemp()) / "prefix.safetensors"
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> path = pathlib.Path(folder.name) / "prefix.safetensors"
         >>> cache.save(path)
         >>> KeyValueCache.load(path)[0].keys.shape
         torch.Size([1, 5, 2, 4])
+        >>> folder.cleanup()
 
         ```
         """
@@ -448,11 +450,13 @@ class KeyValueCache:
         >>> import tempfile, pathlib
         >>> entries = [KeyValueCacheEntry(torch.ones(1, 5, 2, 4), torch.ones(1, 5, 2, 4)) for _ in range(2)]
         >>> cache = KeyValueCache(entries)
-        >>> path = pathlib.Path(tempfile.mkdtemp()) / "prefix.safetensors"
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> path = pathlib.Path(folder.name) / "prefix.safetensors"
         >>> cache.save(path)
         >>> loaded = KeyValueCache.load(path, device=["cpu", "cpu"])
         >>> len(loaded), loaded.sequence_length, loaded[1].keys.device
         (2, 5, device(type='cpu'))
+        >>> folder.cleanup()
 
         ```
         """

@@ -318,10 +318,12 @@ class HFKeyValueCache(TransformersCache):
         >>> import tempfile, pathlib
         >>> cache = HFKeyValueCache()
         >>> _ = cache.update(torch.ones(1, 2, 5, 4), torch.ones(1, 2, 5, 4), 0)
-        >>> path = pathlib.Path(tempfile.mkdtemp()) / "prefix.safetensors"
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> path = pathlib.Path(folder.name) / "prefix.safetensors"
         >>> cache.save(path)
         >>> HFKeyValueCache.load(path).layers[0].keys.shape
         torch.Size([1, 2, 5, 4])
+        >>> folder.cleanup()
 
         ```
         """
@@ -355,10 +357,12 @@ class HFKeyValueCache(TransformersCache):
         >>> for layer in (0, 1):
         ...     _ = cache.update(torch.ones(1, 2, 5, 4), torch.ones(1, 2, 5, 4), layer)
         >>> cache.freeze()
-        >>> path = pathlib.Path(tempfile.mkdtemp()) / "prefix.safetensors"
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> path = pathlib.Path(folder.name) / "prefix.safetensors"
         >>> cache.save(path)
         >>> HFKeyValueCache.load(path, device="cpu", naming="bridge")
         HFKeyValueCache(layers=2, batch=1, sequence_length=5, frozen=True)
+        >>> folder.cleanup()
 
         ```
         """
