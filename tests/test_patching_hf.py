@@ -23,6 +23,7 @@ from transformer_lens import patching
 
 import safelens
 from safelens import PatchingError, run_with_patching_cache
+from safelens.patching import _hf_sweeps
 
 TOL = 1e-4
 ANSWER, WRONG = 3, 5
@@ -133,7 +134,7 @@ def test_bridge_sweep_takes_a_transformer_lens_style_metric_and_max_batch():
     assert (checked(got, sweep) - expected).abs().max() <= TOL
 
 
-def test_bridge_sweep_batches_patches_and_leaves_no_hooks():
+def test_bridge_sweep_batches_patches_and_leaves_no_hooks(monkeypatch):
     lm = bridge("llama")
     clean, corrupted = prompts(1, False)
     _, clean_cache = lm.run_with_cache(clean)
@@ -144,6 +145,14 @@ def test_bridge_sweep_batches_patches_and_leaves_no_hooks():
         passes.append(1)
         return forward(*args, **kwargs)
 
+    patched = []
+    logits = _hf_sweeps._Pass.logits
+
+    def counted_patched(self, *args, **kwargs):
+        patched.append(self.backend.family)
+        return logits(self, *args, **kwargs)
+
+    monkeypatch.setattr(_hf_sweeps._Pass, "logits", counted_patched)
     lm.forward = counted
     try:
         safelens.get_act_patch_attn_head_k_by_pos(
@@ -151,10 +160,12 @@ def test_bridge_sweep_batches_patches_and_leaves_no_hooks():
         )
     finally:
         del lm.forward
-    # 2 layers * 6 positions * 2 heads = 24 patches: one corrupted pass, two passes that
+    # 2 layers * 6 positions * 2 heads = 24 patches: one corrupted pass through the bridge
+    # (then again on its plain HuggingFace model, which runs the rest), two passes that
     # check the layer-skipping shortcut, and one pass per layer (each starting at its
     # layer; on a model this small one pass covers every position), not one per patch.
-    assert len(passes) == 5
+    assert len(passes) == 1
+    assert patched == ["hf"] * 4
     assert all(not point._forward_hooks for point in lm.hook_dict.values())
 
 

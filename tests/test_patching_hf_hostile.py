@@ -642,9 +642,15 @@ def test_another_threads_forward_during_a_sweep_is_plain(family, sweep):
         return out.logits if family == "hf" else out
 
     plain = logits_of(probe)
-    serial = getattr(safelens, sweep)(lm, corrupted, clean_cache, metric, progress=False)
-    seen: list = []
     hf = lm if family == "hf" else lm.original_model
+    # With a hook of the user's attached, as below, so that both take the same passes (a
+    # bridge runs them itself, not on its plain model, while a user hook is attached).
+    idle = _in_another_thread(hf.lm_head, lambda: None, when=lambda: False)
+    try:
+        serial = getattr(safelens, sweep)(lm, corrupted, clean_cache, metric, progress=False)
+    finally:
+        idle.remove()
+    seen: list = []
     handle = _in_another_thread(hf.lm_head, lambda: seen.append(logits_of(probe)))
     try:
         got = getattr(safelens, sweep)(lm, corrupted, clean_cache, metric, progress=False)
@@ -719,7 +725,12 @@ def test_two_threads_sweeping_one_bridge_get_the_serial_results():
     clean, corrupted = pair(9)
     clean_cache = clean_cache_of(lm, clean)
     sweeps = [safelens.get_act_patch_attn_head_out_by_pos, safelens.get_act_patch_resid_pre]
-    serial = [sweep(lm, corrupted, clean_cache, metric, progress=False) for sweep in sweeps]
+    # With a hook of the user's attached, as below, so that the passes are the same ones.
+    idle = _in_another_thread(lm.original_model.lm_head, lambda: None, when=lambda: False)
+    try:
+        serial = [sweep(lm, corrupted, clean_cache, metric, progress=False) for sweep in sweeps]
+    finally:
+        idle.remove()
     inner: list = []
 
     def other_sweep():

@@ -18,7 +18,9 @@ metric that reads only the last position, unembedding that position alone
 (`safelens.patching._hf_shortcuts`, which checks once per sweep that both shortcuts hold
 on the model). The logits of positions `< p` are the corrupted run's. While a hook of
 the user's is attached anywhere in the model, every pass runs every position (a hook
-may index positions); it still starts at the layer of its patch.
+may index positions); it still starts at the layer of its patch. Otherwise a bridge's
+patched passes run on its plain HuggingFace model where that gives the bridge's numbers
+(`_on_plain_model`).
 
 Positions and padding, as the reference does: on a bridge, every position is attended
 with positions `0…pos-1`, as `bridge(tokens)` does for a tensor of tokens; on a
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,8 +46,16 @@ from tqdm import tqdm
 from ..backends._backend import Backend, backend_of
 from ..core._errors import PatchingError
 from ..core._thread_hooks import hooked_anywhere
-from ._hf_shortcuts import Shortcuts, captured
-from ._hf_sites import Site, _tokens, clean_activation, put, residual_input, site_of
+from ._hf_shortcuts import _TOLERANCE, Shortcuts, captured
+from ._hf_sites import (
+    TL_NAMES_ON_HF,
+    Site,
+    _tokens,
+    clean_activation,
+    put,
+    residual_input,
+    site_of,
+)
 from ._limits import _check_limits
 from ._metric import Metric, _Metric
 from ._unchanged import idle_runs, seeing
@@ -153,31 +164,35 @@ def run_sweep(
     scored = _Metric(patching_metric, batch)
     partial = not hooked_anywhere(backend.model)  # read before the sweep attaches its own
     with torch.no_grad():
-        corrupted = backend.empty_cache(batch)
-        seen: dict[int, torch.Tensor] = {}
-        with (
-            captured(backend) as (inputs, forms),
-            seeing(backend, site, corrupted, seen, editor is not None),
-        ):
-            corrupted_logits = backend.forward(tokens, mask, corrupted)
-        corrupted.freeze()
-        pass_ = _Pass(backend, site, tokens, mask, corrupted, clean, editor)
+        # The model's own corrupted run: patches that write what it holds are its runs.
+        reference = _corrupted_run(backend, site, tokens, mask, editor is not None)
+        corrupted = reference
+        if partial and editor is None and backend.family == "bridge":
+            corrupted = _on_plain_model(reference, tokens, mask)
+        backend, site = corrupted.backend, corrupted.site
+        corrupted_logits = corrupted.logits
+        pass_ = _Pass(backend, site, tokens, mask, corrupted.cache, clean, editor)
 
         def check(shortcuts: Shortcuts, first: int, start: int) -> bool:
             logits = pass_.logits(shortcuts, [], first, start, 1)
             expected = corrupted_logits[:, -1:] if shortcuts.last_only else corrupted_logits
             expected = expected[:, -logits.shape[1] :]
-            bound = shortcuts.tolerance() * (1 + float(expected.abs().max()))
-            return (
-                logits.shape == expected.shape and float((logits - expected).abs().max()) <= bound
+            return logits.shape == expected.shape and _close(
+                logits, expected, shortcuts.tolerance()
             )
 
         shortcuts = Shortcuts.of(
-            backend, site.activation, patching_metric, inputs, forms, check, partial
+            backend,
+            site.activation,
+            patching_metric,
+            corrupted.inputs,
+            corrupted.forms,
+            check,
+            partial,
         )
-        idle = idle_runs(site, clean, seen, runs)
+        idle = idle_runs(reference.site, clean, reference.seen, runs)
         if idle:
-            logits = corrupted_logits[:, -1:] if shortcuts.last_only else corrupted_logits
+            logits = reference.logits[:, -1:] if shortcuts.last_only else reference.logits
             slots = torch.tensor([run[0] for run in idle], device=out.device)
             flat[slots] = scored(logits, 1).to(out.device, out.dtype)
             skipped = {run[0] for run in idle}
@@ -198,6 +213,66 @@ def run_sweep(
                     flat[slots] = scored(logits, len(chunk)).to(out.device, out.dtype)
                     bar.update(len(chunk))
     return out
+
+
+@dataclass
+class _Corrupted:
+    """The corrupted run on `backend`: its frozen cache and logits, `seen` (the site's
+    values as its patch hook sees them, per layer) and what the shortcut check reads."""
+
+    backend: Backend
+    site: Site
+    cache: Any
+    logits: torch.Tensor
+    seen: dict[int, torch.Tensor]
+    inputs: Any
+    forms: Any
+
+
+def _corrupted_run(
+    backend: Backend, site: Site, tokens: torch.Tensor, mask: torch.Tensor, generic: bool
+) -> _Corrupted:
+    cache = backend.empty_cache(tokens.shape[0])
+    seen: dict[int, torch.Tensor] = {}
+    with captured(backend) as (inputs, forms), seeing(backend, site, cache, seen, generic):
+        logits = backend.forward(tokens, mask, cache)
+    cache.freeze()
+    return _Corrupted(backend, site, cache, logits, seen, inputs, forms)
+
+
+def _on_plain_model(run: _Corrupted, tokens: torch.Tensor, mask: torch.Tensor) -> _Corrupted:
+    """`run` redone on the bridge's plain HuggingFace model, when that gives the bridge's numbers.
+
+    The plain model (`safelens.backends.bridge._plain`) holds the bridge's parameters and
+    runs HuggingFace's own code without the bridge's components; its passes cost less.
+    It is used only where HuggingFace has the site, and only when its corrupted run
+    gives the bridge's logits and, at every layer, the bridge's values at the site, to
+    float rounding (a bridge in TransformerLens' compatibility mode, whose components
+    compute otherwise, fails this); else `run` is returned as it is.
+    """
+    if run.site.activation not in TL_NAMES_ON_HF:
+        return run
+    backend = run.backend.plain()  # type: ignore[attr-defined]
+    if backend is None:
+        return run
+    twin = _corrupted_run(backend, site_of(backend, run.site.activation), tokens, mask, False)
+    tolerance = _TOLERANCE[torch.finfo(backend.dtype).bits >= 32]
+    same = (
+        twin.logits.shape == run.logits.shape
+        and _close(twin.logits, run.logits, tolerance)
+        and twin.seen.keys() == run.seen.keys()
+        and all(
+            twin.seen[layer].shape == seen.shape and _close(twin.seen[layer], seen, tolerance)
+            for layer, seen in run.seen.items()
+        )
+    )
+    return twin if same else run
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor, tolerance: float) -> bool:
+    """Whether `got` equals `expected` within `tolerance` relative to `expected`'s largest value."""
+    bound = tolerance * (1 + float(expected.abs().max()))
+    return float((got - expected).abs().max()) <= bound
 
 
 def _check_no_dropout(model: torch.nn.Module) -> None:

@@ -8,7 +8,9 @@ stored attention mask. So `BridgeBackend` is `HFBackend` (sizes, position ids fr
 full mask, write-time edits at the cache's `hook_k_new` / `hook_v_new`) with three
 differences:
 
-- every pass goes through the bridge (so the bridge's hooks fire) inside
+- every pass goes through the bridge (so the bridge's hooks fire; a patching sweep with
+  no user hook may run its patched passes on `plain()`, the model without the bridge's
+  components, `._plain`) inside
   [`cache_pass`][safelens.backends.bridge._cache_pass.cache_pass], which makes the
   cache reach the bridge's attention under every transformers version (the >= 5.24
   `cache=` rename, which the bridge's attention does not read) or refuses the pass;
@@ -36,6 +38,7 @@ from ..hf._cache import HFKeyValueCache
 from ..hf._model import hf_cache_argument
 from ._cache_pass import cache_pass
 from ._hooks import bridge_hooks, select_cache_hooks, thread_bridge_hooks
+from ._plain import plain_model
 
 __all__ = ["BRIDGE_CACHE", "BridgeBackend"]
 
@@ -101,6 +104,11 @@ class BridgeBackend(HFBackend):
     ) -> Any:
         """Plain passes: the bridge's attention is its own, with no shared-prefix read."""
         return self._call(tokens, attention_mask, cache)
+
+    def plain(self) -> HFBackend | None:
+        """An `HFBackend` of the bridge's model without its components, or `None` (`._plain`)."""
+        model = plain_model(self.model)
+        return None if model is None else HFBackend(model)
 
     def write_hook(self, layer: int, target: Literal["keys", "values"]) -> str:
         return BRIDGE_CACHE.layout.hook_name(layer, f"hook_{target[0]}_new")

@@ -1,0 +1,71 @@
+"""The HuggingFace model under a TransformerBridge, without the bridge's components.
+
+A TransformerBridge puts a component of its own in place of each module of its
+HuggingFace model and keeps the module inside it (`_original_component`); the
+component's forward does the bridge's work (hook points, hook conversions, its own
+attention code) around the module's arithmetic. `plain_model` rebuilds the model as
+HuggingFace wrote it: shallow copies of the original modules, their children unwrapped,
+holding the very same parameter and buffer objects (nothing is copied, and the bridge
+is not touched). Only a copy whose parameters are exactly the bridge's, object for
+object, is returned: where the bridge holds weights of its own (GPT-2's and Phi-3's
+split query/key/value projections, which an edit of the bridge's weights would change
+alone), there is none.
+
+A sweep uses it for its patched passes when no hook of the user's is attached and the
+copy's corrupted run equals the bridge's (`safelens.patching._hf_sweeps`): it runs the
+same arithmetic without the components' per-call work.
+
+Caveat: each copy has its own lists of torch hooks, starting as copies of the
+originals' (the libraries' own), so a hook attached to a copy never fires on the bridge;
+a module whose `forward` was replaced on the instance (accelerate's device hooks) keeps
+calling the original module, components included.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+__all__ = ["plain_model"]
+
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
+def plain_model(bridge: Any) -> torch.nn.Module | None:
+    """`bridge.original_model` without the bridge's components, or `None` (module notes)."""
+    twin = _unwrapped(bridge.original_model)
+    ours = {id(tensor) for tensor in (*bridge.parameters(), *bridge.buffers())}
+    theirs = {id(tensor) for tensor in (*twin.parameters(), *twin.buffers())}
+    return twin if ours == theirs else None
+
+
+def _is_component(module: torch.nn.Module) -> bool:
+    return "_original_component" in module._modules and type(module).__module__.startswith(
+        "transformer_lens."
+    )
+
+
+def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of `module` (the original inside a component) with unwrapped children."""
+    while _is_component(module):
+        module = module._modules["_original_component"]  # type: ignore[assignment]
+    twin = copy.copy(module)
+    twin._modules = {
+        name: None if child is None else _unwrapped(child)
+        for name, child in module._modules.items()
+    }
+    for name in _HOOK_DICTS:
+        if name in module.__dict__:
+            held = module.__dict__[name]
+            twin.__dict__[name] = type(held)(held)
+    return twin
