@@ -548,3 +548,29 @@ def test_prefill_keeps_only_its_own_threads_residuals() -> None:
     assert result[0].residuals is not None
     for layer, resid in enumerate(result[0].residuals):
         assert torch.equal(resid, reference[f"blocks.{layer}.hook_resid_pre"])
+
+
+@pytest.mark.parametrize("pad", ["w0", "w2"])  # w2 is also the BOS, which stays attended
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_tokenizers_left_padding_is_masked_in_every_batch_as_transformer_lens_masks_it(
+    pad: str, rows: int
+) -> None:
+    """TransformerLens' forward masks a left-padding tokenizer's leading pads, a lone prompt's too."""
+    from test_patching import left_padding_tokenizer
+    from transformer_lens import HookedTransformer
+
+    base = make_model("rotary")
+    model = HookedTransformer(
+        base.cfg, tokenizer=left_padding_tokenizer(pad), default_padding_side="left"
+    )
+    model.load_state_dict(base.state_dict())
+    model.eval()
+    p = model.tokenizer.pad_token_id
+    full = torch.tensor([[p, p, 2, 5, 6, 7, 8, 9], [2, 11, 12, 13, 14, 15, 16, 17]])[:rows]
+    with torch.no_grad():
+        expected = model(full).log_softmax(-1)
+    prefix = prefill(model, full[:, :6])
+    for row in range(rows):
+        scores = score_continuations(model, prefix.select(row), [full[row, 6:]])
+        want = expected[row, 5:7].gather(-1, full[row, 6:, None])[:, 0]
+        torch.testing.assert_close(scores.log_probs[0], want, atol=1e-5, rtol=1e-5)

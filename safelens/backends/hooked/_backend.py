@@ -143,7 +143,15 @@ class HookedBackend(Backend):
         return tokens
 
     def default_mask(self, tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.shape[0] > 1 and self.tokenizer is not None:
+        """TransformerLens' `get_attention_mask` where its forward builds one, else ones.
+
+        Its forward masks a tokenizer's leading padding in every batch when the
+        tokenizer pads on the left (a lone prompt too); trailing padding of a batch is
+        masked too, and refused where a prefix ends in it.
+        """
+        tokenizer = self.tokenizer
+        left = getattr(tokenizer, "padding_side", None) == "left"
+        if tokenizer is not None and (left or tokens.shape[0] > 1):
             from transformer_lens.utilities import get_attention_mask
 
             mask: torch.Tensor = get_attention_mask(
