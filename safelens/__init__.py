@@ -108,7 +108,6 @@ _NEEDS_HOOKED_TRANSFORMER = frozenset(
     {
         *_LAZY_MODULES[".backends.hooked._hooks"],
         *_LAZY_MODULES[".backends.hooked._shared_attention"],
-        *_LAZY_MODULES[".patching._attribution"],
     }
 )
 

@@ -29,6 +29,7 @@ ANY_BACKEND = (
     ".patching._every",
     ".patching._patterns",
     ".patching._dataset",
+    ".patching._attribution",
 )
 HOOKED_ONLY = {
     name

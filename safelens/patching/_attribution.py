@@ -23,6 +23,11 @@ candidates by estimated effect are recomputed by the exact sweep, and a large ga
 between estimate and exact value there shows the estimate cannot be trusted for this
 model and metric.
 
+On a TransformerBridge the same hook points are read (the bridge's own, TransformerLens'
+names and layouts), through the bridge's forward on a safelens `HFKeyValueCache`; the QK
+fix there scores with a scale times `q·k` read off the corrupted run (`_scores_function`).
+A plain HuggingFace model has no such hook points and is refused.
+
 Caveat: the backward pass keeps the corrupted run's graph, about one training step's
 activation memory, and the QK fix holds a few `[batch, n_heads, pos, pos]` float64
 tensors per layer.
@@ -32,23 +37,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pandas as pd
 import torch
 from jaxtyping import Float, Int
-from transformer_lens import ActivationCache, HookedTransformer
-from transformer_lens.patching import layer_pos_head_vector_patch_setter
 
+from ..backends._backend import Backend, backend_of
 from ..core._arguments import flag, positive_int
-from ..core._cache import KeyValueCache
 from ..core._errors import PatchingError
 from ..core._thread_hooks import thread_hooks
-from ..core._tokens import check_tokens
-from ._grid import Metric, _attention_mask_of
-from ._inputs import DEFAULT_MAX_BYTES, _check_limits
-from ._qk_fix import key_effects, query_effects
+from ._hf_sites import _tokens
+from ._limits import DEFAULT_MAX_BYTES, _check_limits
+from ._metric import Metric
+from ._patterns import _check_pattern_hook
+from ._qk_fix import Scores, key_effects, query_effects
 from ._sweeps import generic_activation_patch
+
+if TYPE_CHECKING:
+    from transformer_lens import ActivationCache, HookedTransformer
 
 __all__ = ["AttributionResult", "attribution_patch"]
 
@@ -73,9 +80,17 @@ class AttributionResult:
     exact: dict[str, torch.Tensor]
 
 
-def _check(model: Any, activations: Any, qk_fix: Any, verify_top_k: Any) -> tuple[Activation, ...]:
-    if not isinstance(model, HookedTransformer):
-        raise PatchingError(f"model must be a HookedTransformer, got {type(model).__name__}")
+def _check(
+    model: Any, activations: Any, qk_fix: Any, verify_top_k: Any
+) -> tuple[Backend, tuple[Activation, ...]]:
+    backend = backend_of(model, "attribution_patch")
+    if backend.family == "hf":
+        raise PatchingError(
+            "attribution_patch reads queries, keys, values and head outputs at hook points, "
+            f"which a plain HuggingFace model ({type(model).__name__}) does not have; wrap it "
+            "in a TransformerLens TransformerBridge (TransformerBridge.boot_transformers(path, "
+            "hf_model=model)), or use the exact sweeps"
+        )
     flag(qk_fix, "qk_fix", error=PatchingError, shown=repr)
     if verify_top_k != 0:
         positive_int(verify_top_k, "verify_top_k", error=PatchingError, shown=repr)
@@ -89,7 +104,14 @@ def _check(model: Any, activations: Any, qk_fix: Any, verify_top_k: Any) -> tupl
             f"activations must be a non-empty sequence of {list(_ACTIVATIONS)}, got "
             f"{list(activations)!r}"
         )
-    cfg = model.cfg
+    chosen = tuple(dict.fromkeys(activations))
+    if backend.family == "hooked":
+        _check_hooked_attention(model.cfg, qk_fix and bool({"k", "q"} & set(chosen)))
+    return backend, chosen
+
+
+def _check_hooked_attention(cfg: Any, qk_fix: bool) -> None:
+    """Refuse the QK fix on a HookedTransformer whose attention transforms q and k further."""
     special = [
         name
         for name, on in (
@@ -100,48 +122,52 @@ def _check(model: Any, activations: Any, qk_fix: Any, verify_top_k: Any) -> tupl
         )
         if on
     ]
-    if qk_fix and special and {"k", "q"} & set(activations):
+    if qk_fix and special:
         raise PatchingError(
             f"the QK fix recomputes attention from the keys and queries, which this model "
             f"transforms further ({', '.join('cfg.' + s for s in special)}); pass "
             "qk_fix=False for plain gradient estimates of k and q"
         )
-    return tuple(dict.fromkeys(activations))
 
 
-def _site_names(model: HookedTransformer, activations: Sequence[str], qk_fix: bool) -> list[str]:
+def _site_names(model: Any, activations: Sequence[str], qk_fix: bool) -> list[str]:
     """The per-layer hook names (under `blocks.{layer}.attn.`) the estimate reads."""
     names = [f"hook_{name}" for name in activations]
     if qk_fix and {"k", "q"} & set(activations):
-        rotary = model.cfg.positional_embedding_type == "rotary"
+        rotary = "blocks.0.attn.hook_rot_q" in model.hook_dict
         names += ["hook_rot_q", "hook_rot_k"] if rotary else ["hook_q", "hook_k"]
         names += ["hook_attn_scores", "hook_pattern"]
     return list(dict.fromkeys(names))
 
 
 def _corrupted_pass(
-    model: HookedTransformer, tokens: torch.Tensor, names: list[str], metric: Metric
+    backend: Backend, tokens: torch.Tensor, names: list[str], metric: Metric
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The corrupted run's metric, activations and metric gradients at `names`.
 
     Runs through a fresh safelens cache, so gradients flow through its appends.
     """
+    model = backend.model
     captured: dict[str, torch.Tensor] = {}
 
-    def capture(tensor: torch.Tensor, hook: Any) -> None:
-        captured[hook.name] = tensor
+    def capture(name: str) -> Any:
+        # Keyed by the name asked for: a bridge's `attn.hook_k` is an alias of a hook
+        # point named otherwise (`attn.k.hook_out`). Returned, so that what follows is
+        # computed from this very tensor: a bridge hands its hooks a converted copy
+        # (heads split out), which is used on only when a hook returns it.
+        def hook(tensor: torch.Tensor, hook: Any = None) -> torch.Tensor:
+            captured[name] = tensor
+            return tensor
 
-    points = [
-        (model.hook_dict[f"blocks.{layer}.attn.{name}"], capture)
-        for layer in range(model.cfg.n_layers)
+        return hook
+
+    hooked = [
+        (f"blocks.{layer}.attn.{name}", capture(f"blocks.{layer}.attn.{name}"))
+        for layer in range(backend.n_layers)
         for name in names
     ]
-    cache = KeyValueCache.init_cache(model.cfg, tokens.device, tokens.shape[0])
-    mask = _attention_mask_of(model, tokens)
-    mask = torch.ones_like(tokens) if mask is None else mask
-    with torch.enable_grad(), thread_hooks(points):
-        embedded = model(tokens, attention_mask=mask, stop_at_layer=0).detach().requires_grad_()
-        logits = model(embedded, start_at_layer=0, past_kv_cache=cache, attention_mask=mask)
+    with torch.enable_grad():
+        logits = _corrupted_logits(backend, tokens, hooked)
         value = metric(logits)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else value
@@ -156,6 +182,13 @@ def _corrupted_pass(
                 "has no gradient); attribution patching differentiates it, so compute it with "
                 "torch operations on the logits, without .item(), argmax or detach()"
             )
+        missing = sorted({name for name, _ in hooked} - set(captured))
+        if missing:
+            raise PatchingError(
+                f"the corrupted run fired no {missing[0]} (of {len(missing)} hook points "
+                f"attribution_patch reads), so this {type(model).__name__}'s attention does "
+                "not expose it; pass activations without it, or qk_fix=False"
+            )
         wanted = [name for name in captured if not name.endswith(("attn_scores", "rot_q", "rot_k"))]
         wanted = [name for name in wanted if captured[name].requires_grad]
         grads = torch.autograd.grad(value.sum(), [captured[n] for n in wanted], allow_unused=True)
@@ -165,6 +198,33 @@ def _corrupted_pass(
     }
     activations = {name: tensor.detach() for name, tensor in captured.items()}
     return value.detach().reshape(()), activations, gradients
+
+
+def _corrupted_logits(backend: Backend, tokens: torch.Tensor, hooked: list[Any]) -> torch.Tensor:
+    """The corrupted logits through a fresh cache, `hooked` (name, hook) on this thread."""
+    model = backend.model
+    cache = backend.empty_cache(tokens.shape[0])
+    if backend.family == "bridge":
+        # As the sweeps and `bridge(tokens)`: every position attended.
+        mask = torch.ones_like(tokens)
+        if "hook_embed" in model.hook_dict:
+            # A leaf at the embedding: the graph exists even with frozen parameters.
+            hooked = [("hook_embed", _leaf), *hooked]
+        with backend.pass_hooks(cache, hooked):
+            logits: torch.Tensor = backend.forward(tokens, mask, cache)
+        return logits
+    from ._grid import _attention_mask_of
+
+    points = [(model.hook_dict[name], hook) for name, hook in hooked]
+    full = _attention_mask_of(model, tokens)
+    mask = torch.ones_like(tokens) if full is None else full
+    with thread_hooks(points):
+        embedded = model(tokens, attention_mask=mask, stop_at_layer=0).detach().requires_grad_()
+        return model(embedded, start_at_layer=0, past_kv_cache=cache, attention_mask=mask)
+
+
+def _leaf(tensor: torch.Tensor, hook: Any = None) -> torch.Tensor:
+    return tensor.detach().requires_grad_()
 
 
 def _clean(clean_cache: Any, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -185,7 +245,7 @@ def _clean(clean_cache: Any, name: str, like: torch.Tensor) -> torch.Tensor:
 
 
 def _estimate(
-    model: HookedTransformer,
+    backend: Backend,
     layer: int,
     name: Activation,
     qk_fix: bool,
@@ -202,16 +262,49 @@ def _estimate(
     q_name, k_name = ("rot_q", "rot_k") if prefix + "hook_rot_q" in acts else ("q", "k")
     q, k = acts[prefix + f"hook_{q_name}"], acts[prefix + f"hook_{k_name}"]
     scores, grad = acts[prefix + "hook_attn_scores"], grads[prefix + "hook_pattern"]
-    attn = model.blocks[layer].attn
+    scores_of = _scores_function(backend, layer, q, k, scores)
     if name == "k":
         clean_k = _clean(clean_cache, prefix + f"hook_{k_name}", k)
-        return key_effects(attn, scores, grad, q, k, clean_k)
+        return key_effects(scores_of, scores, grad, q, k, clean_k)
     clean_q = _clean(clean_cache, prefix + f"hook_{q_name}", q)
-    return query_effects(attn, scores, grad, q, k, clean_q)
+    return query_effects(scores_of, scores, grad, q, k, clean_q)
+
+
+def _scores_function(
+    backend: Backend, layer: int, q: torch.Tensor, k: torch.Tensor, scores: torch.Tensor
+) -> Scores:
+    """How attention scores `q` against `k` at `layer`: the attention module's own code on
+    a HookedTransformer; on a bridge, `scale · q·k` with the scale read off the corrupted
+    run, which must reproduce its scores (a `PatchingError` where it does not)."""
+    if backend.family == "hooked":
+        attn = backend.model.blocks[layer].attn
+        return lambda q, k: attn.calculate_attention_scores(q, k).double()
+    raw = _dot(q, k)
+    kept = scores.isfinite() & (scores > torch.finfo(scores.dtype).min / 2)
+    s, r = scores.double()[kept], raw[kept]
+    scale = float((s * r).sum() / (r * r).sum()) if bool((r != 0).any()) else 0.0
+    error = float((scale * r - s).abs().max()) if s.numel() else 0.0
+    if not s.numel() or error > 1e-4 * float(s.abs().max()) + 1e-7:
+        raise PatchingError(
+            f"the QK fix recomputes layer {layer}'s attention scores from its queries and "
+            f"keys, but this bridge's scores are no fixed multiple of q·k (off by {error:.2g}: "
+            "soft-capping, position biases, or keys and queries other than the ones attention "
+            "uses); pass qk_fix=False for plain gradient estimates of k and q"
+        )
+    return lambda q, k: scale * _dot(q, k)
+
+
+def _dot(
+    q: Float[torch.Tensor, "batch pos n_heads d_head"],
+    k: Float[torch.Tensor, "batch pos n_kv_heads d_head"],
+) -> Float[torch.Tensor, "batch n_heads pos pos"]:
+    """`q · k` per head in float64, each key/value head serving its consecutive query heads."""
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    return torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double())
 
 
 def attribution_patch(
-    model: HookedTransformer,
+    model: HookedTransformer | Any,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: ActivationCache,
     patching_metric: Metric,
@@ -232,7 +325,9 @@ def attribution_patch(
 
     **Arguments:**
 
-    - `model`: a `HookedTransformer`.
+    - `model`: a `HookedTransformer` or a TransformerLens `TransformerBridge` (whose
+      hook points are read as a `HookedTransformer`'s; a plain HuggingFace model has
+      none and is refused).
     - `corrupted_tokens`: `[batch, pos]` tokens of the corrupted run.
     - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`).
     - `patching_metric`: logits `[batch, pos, d_vocab]` of one run to a differentiable
@@ -250,8 +345,10 @@ def attribution_patch(
     **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
     token ids of this model; [`PatchingError`][safelens.PatchingError] for a clean
     cache without an activation read or of another length, a metric without one
-    differentiable value, unknown `activations`, bad limits, or a QK fix on a model
-    whose attention transforms keys and queries further.
+    differentiable value, unknown `activations`, bad limits, a plain HuggingFace model,
+    or a QK fix on a model whose attention transforms keys and queries further (on a
+    bridge: whose scores are no fixed multiple of `q·k`, or whose attention does not
+    use what `hook_pattern` returns).
 
     ```python
     >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
@@ -265,21 +362,23 @@ def attribution_patch(
 
     ```
     """
-    chosen = _check(model, activations, qk_fix, verify_top_k)
+    backend, chosen = _check(model, activations, qk_fix, verify_top_k)
     _check_limits(max_batch, max_bytes, progress)
-    if isinstance(corrupted_tokens, torch.Tensor) and corrupted_tokens.dim() == 1:
-        corrupted_tokens = corrupted_tokens[None]
-    tokens = check_tokens(corrupted_tokens, model.cfg, "corrupted_tokens").to(model.cfg.device)
+    tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
+    fixed = qk_fix and bool({"k", "q"} & set(chosen))
+    if fixed:
+        # The fix reads the gradient at `hook_pattern`: the attention must use its output.
+        _check_pattern_hook(model, tokens, "attribution_patch's QK fix")
     baseline, acts, grads = _corrupted_pass(
-        model, tokens, _site_names(model, chosen, qk_fix), patching_metric
+        backend, tokens, _site_names(model, chosen, qk_fix), patching_metric
     )
     estimates: dict[str, torch.Tensor] = {}
     exact: dict[str, torch.Tensor] = {}
     for name in chosen:
         grid = torch.stack(
             [
-                _estimate(model, layer, name, qk_fix, acts, grads, clean_cache)
-                for layer in range(model.cfg.n_layers)
+                _estimate(backend, layer, name, qk_fix, acts, grads, clean_cache)
+                for layer in range(backend.n_layers)
             ]
         )
         estimates[name] = (grid + baseline.double()).float()
@@ -303,7 +402,7 @@ def attribution_patch(
 
 
 def _verify(
-    model: HookedTransformer,
+    model: Any,
     tokens: torch.Tensor,
     clean_cache: Any,
     metric: Metric,
@@ -320,6 +419,8 @@ def _verify(
     order = (estimate - baseline).abs().flatten().argsort(descending=True)[:top_k]
     cells = torch.stack(torch.unravel_index(order, estimate.shape), dim=1)
     index_df = pd.DataFrame(cells.cpu().numpy(), columns=["layer", "pos", "head_index"])
+    from transformer_lens.patching import layer_pos_head_vector_patch_setter
+
     with torch.no_grad():
         values = generic_activation_patch(
             model,

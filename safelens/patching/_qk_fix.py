@@ -20,11 +20,12 @@ linearises only from the pattern on:
 - *Query* patch at destination `t`: row `t` of the scores becomes the clean query
   against the corrupted keys; the row's softmax is recomputed whole.
 
-Scores are computed by the attention module itself (`calculate_attention_scores`:
-scale, soft cap, grouped-query key sharing), from the keys and queries attention uses
-(post-rotary on rotary models); position biases (ALiBi) and masks come with the
-corrupted run's `hook_attn_scores`, which a key or query patch does not change.
-Arithmetic is float64.
+Scores are computed by a `Scores` function the caller gives: on a HookedTransformer the
+attention module's own `calculate_attention_scores` (scale, soft cap, grouped-query key
+sharing), on a TransformerBridge a scale times `q·k` read off the corrupted run; from the
+keys and queries attention uses (post-rotary on rotary models). Position biases (ALiBi)
+and masks come with the corrupted run's `hook_attn_scores`, which a key or query patch
+does not change. Arithmetic is float64.
 
 Caveat: exact in the softmax only. What follows the pattern is still linearised, so
 an effect carried through later layers' nonlinearities (a head whose output another
@@ -33,23 +34,20 @@ head's keys read, LayerNorm scales) is first-order there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from jaxtyping import Float
-from transformer_lens.components import AbstractAttention
 
-__all__ = ["key_effects", "query_effects"]
+__all__ = ["Scores", "key_effects", "query_effects"]
 
-
-def _scores(
-    attn: AbstractAttention,
-    q: Float[torch.Tensor, "batch pos n_heads d_head"],
-    k: Float[torch.Tensor, "batch pos n_kv_heads d_head"],
-) -> Float[torch.Tensor, "batch n_heads pos pos"]:
-    return attn.calculate_attention_scores(q, k).double()
+# `(q [batch, pos, n_heads, d_head], k [batch, pos, n_kv_heads, d_head])` -> float64
+# attention scores `[batch, n_heads, pos, pos]`, before any mask.
+Scores = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def key_effects(
-    attn: AbstractAttention,
+    scores_of: Scores,
     scores: Float[torch.Tensor, "batch n_heads pos pos"],
     grad_pattern: Float[torch.Tensor, "batch n_heads pos pos"],
     q: Float[torch.Tensor, "batch pos n_heads d_head"],
@@ -63,7 +61,7 @@ def key_effects(
     """
     scores = scores.double()
     grad = grad_pattern.double()
-    patched = scores + (_scores(attn, q, clean_k) - _scores(attn, q, k))
+    patched = scores + (scores_of(q, clean_k) - scores_of(q, k))
     total = torch.logsumexp(scores, dim=-1, keepdim=True)
     pattern = (scores - total).exp()
     weighted = (grad * pattern).sum(-1, keepdim=True)
@@ -77,7 +75,7 @@ def key_effects(
 
 
 def query_effects(
-    attn: AbstractAttention,
+    scores_of: Scores,
     scores: Float[torch.Tensor, "batch n_heads pos pos"],
     grad_pattern: Float[torch.Tensor, "batch n_heads pos pos"],
     q: Float[torch.Tensor, "batch pos n_heads d_head"],
@@ -86,7 +84,7 @@ def query_effects(
 ) -> Float[torch.Tensor, "pos n_heads"]:
     """The linearised-from-the-pattern effect of each query patch, summed over the batch."""
     scores = scores.double()
-    patched = scores + (_scores(attn, clean_q, k) - _scores(attn, q, k))
+    patched = scores + (scores_of(clean_q, k) - scores_of(q, k))
     change = torch.softmax(patched, dim=-1) - torch.softmax(scores, dim=-1)
     effect = (grad_pattern.double() * change.nan_to_num(0.0)).sum(-1)
     return effect.sum(0).T
