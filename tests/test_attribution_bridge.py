@@ -186,3 +186,19 @@ def test_a_bridge_that_never_fires_the_rotated_keys_refuses_the_qk_fix():
         attribution_patch(lm, corrupted, clean_cache, linear_metric)
     plain = attribution_patch(lm, corrupted, clean_cache, linear_metric, qk_fix=False)
     assert set(plain.estimates) == {"k", "v", "q", "z"}
+
+
+def test_a_bridge_in_training_mode_with_dropout_is_refused():
+    config = CONFIGS["llama"](2)
+    config.attention_dropout = 0.1
+    lm = boot(transformers.AutoModelForCausalLM.from_config(config))
+    corrupted, clean_cache = setup(lm)
+    lm.train()
+    try:
+        with pytest.raises(PatchingError, match=r"training mode with dropout 0.1.*model.eval\(\)"):
+            attribution_patch(lm, corrupted, clean_cache, linear_metric)
+    finally:
+        lm.eval()
+    assert (
+        attribution_patch(lm, corrupted, clean_cache, linear_metric).estimates["v"].isfinite().all()
+    )

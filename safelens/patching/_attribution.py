@@ -47,7 +47,9 @@ from ..backends._backend import Backend, backend_of
 from ..core._arguments import flag, positive_int
 from ..core._errors import PatchingError
 from ..core._thread_hooks import thread_hooks
+from ._hf_shortcuts import _TOLERANCE
 from ._hf_sites import _tokens
+from ._hf_sweeps import _check_no_dropout
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
 from ._metric import Metric
 from ._patterns import _check_pattern_hook
@@ -284,7 +286,8 @@ def _scores_function(
     s, r = scores.double()[kept], raw[kept]
     scale = float((s * r).sum() / (r * r).sum()) if bool((r != 0).any()) else 0.0
     error = float((scale * r - s).abs().max()) if s.numel() else 0.0
-    if not s.numel() or error > 1e-4 * float(s.abs().max()) + 1e-7:
+    tolerance = _TOLERANCE[torch.finfo(scores.dtype).bits >= 32]
+    if not s.numel() or error > tolerance * float(s.abs().max()) + 1e-7:
         raise PatchingError(
             f"the QK fix recomputes layer {layer}'s attention scores from its queries and "
             f"keys, but this bridge's scores are no fixed multiple of q·k (off by {error:.2g}: "
@@ -365,6 +368,7 @@ def attribution_patch(
     backend, chosen = _check(model, activations, qk_fix, verify_top_k)
     _check_limits(max_batch, max_bytes, progress)
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
+    _check_no_dropout(backend.model)
     fixed = qk_fix and bool({"k", "q"} & set(chosen))
     if fixed:
         # The fix reads the gradient at `hook_pattern`: the attention must use its output.
