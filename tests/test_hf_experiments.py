@@ -26,6 +26,7 @@ from safelens import (
     CacheShapeError,
     HookError,
     KeyValueCache,
+    TokenError,
     ablate_read,
     ablate_write,
     generate,
@@ -467,3 +468,25 @@ def test_no_experiment_module_imports_a_model_library():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_a_rotary_model_runs_past_max_position_embeddings_as_huggingface_does():
+    """Rotary positions are computed, not looked up: HuggingFace runs longer prompts, and
+    so do the experiments; a learned position table (GPT-2's) still bounds them."""
+    import transformers
+
+    config = CONFIGS["llama"](2)
+    config.max_position_embeddings = 16
+    torch.manual_seed(0)
+    lm = transformers.AutoModelForCausalLM.from_config(config).eval()
+    tokens_ = ids(1, 24, seed=5)
+    with torch.no_grad():
+        expected = lm(tokens_).logits.log_softmax(-1)
+    prefix = prefill(lm, tokens_[:, :20])
+    scores = score_continuations(lm, prefix, [tokens_[0, 20:]])
+    want = expected[0, 19:23].gather(-1, tokens_[0, 20:, None])[:, 0]
+    torch.testing.assert_close(scores.log_probs[0], want, atol=1e-5, rtol=1e-5)
+    gpt2 = model("gpt2")
+    limit = gpt2.config.n_positions
+    with pytest.raises(TokenError, match=rf"more than the model's context n_ctx={limit}"):
+        prefill(gpt2, ids(1, limit + 1))

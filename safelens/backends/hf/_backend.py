@@ -123,6 +123,15 @@ class _Sizes:
 
 
 def _context(config: Any) -> int | None:
+    """The most positions the model can run: its learned position table's size, if any.
+
+    A rotary model computes the angle of any position (HuggingFace runs prompts past its
+    `max_position_embeddings`, e.g. under a rope scaling), so it has no bound here.
+    """
+    if any(
+        getattr(config, name, None) for name in ("rope_parameters", "rope_scaling", "rope_theta")
+    ):
+        return None
     for name in ("n_ctx", "max_position_embeddings", "n_positions"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
