@@ -68,3 +68,10 @@ def run(lm: torch.nn.Module, tokens: torch.Tensor, cache: object = None, **kw) -
     if cache is not None:
         kw[hf_cache_argument(lm)] = cache
     return lm(tokens, **kw).logits
+
+
+def logits(lm: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """`lm`'s logits for `tokens`, without gradients: a HuggingFace model's or a bridge's."""
+    with torch.no_grad():
+        out = lm(tokens)
+    return out if isinstance(out, torch.Tensor) else out.logits

@@ -23,7 +23,7 @@ import pytest
 import torch
 import transformers
 from bridge_models import bridge
-from hf_models import CONFIGS, ids, model
+from hf_models import CONFIGS, ids, logits, model
 from test_patching_hf import ANSWER, WRONG, reference
 from transformer_lens import patching
 
@@ -490,17 +490,12 @@ def test_a_metric_that_runs_the_model_sees_it_unhooked(family):
     clean, corrupted = pair(8)
     clean_cache = clean_cache_of(lm, clean)
     probe = ids(1, 5, seed=7)
-
-    def logits_of(tokens):
-        out = lm(tokens)
-        return out.logits if family == "hf" else out
-
-    plain = logits_of(probe)
+    plain = logits(lm, probe)
     seen = []
 
-    def probing(logits):
-        seen.append(float((logits_of(probe) - plain).abs().max()))
-        return metric(logits)
+    def probing(patched):
+        seen.append(float((logits(lm, probe) - plain).abs().max()))
+        return metric(patched)
 
     got = safelens.get_act_patch_resid_pre(lm, corrupted, clean_cache, probing, progress=False)
     expected = safelens.get_act_patch_resid_pre(lm, corrupted, clean_cache, metric, progress=False)
@@ -635,13 +630,7 @@ def test_another_threads_forward_during_a_sweep_is_plain(family, sweep):
     clean, corrupted = pair(9)
     clean_cache = clean_cache_of(lm, clean)
     probe = ids(2, 5, seed=7)
-
-    def logits_of(tokens):
-        with torch.no_grad():
-            out = lm(tokens)
-        return out.logits if family == "hf" else out
-
-    plain = logits_of(probe)
+    plain = logits(lm, probe)
     hf = lm if family == "hf" else lm.original_model
     # With a hook of the user's attached, as below, so that both take the same passes (a
     # bridge runs them itself, not on its plain model, while a user hook is attached).
@@ -651,7 +640,7 @@ def test_another_threads_forward_during_a_sweep_is_plain(family, sweep):
     finally:
         idle.remove()
     seen: list = []
-    handle = _in_another_thread(hf.lm_head, lambda: seen.append(logits_of(probe)))
+    handle = _in_another_thread(hf.lm_head, lambda: seen.append(logits(lm, probe)))
     try:
         got = getattr(safelens, sweep)(lm, corrupted, clean_cache, metric, progress=False)
     finally:
@@ -689,8 +678,8 @@ def test_a_sweep_and_a_clean_cache_in_another_thread_during_a_hf_sweep_are_seria
     # The hook that starts the other thread is a hook of the user's: every pass runs whole.
     assert (outer - serial[0]).abs().max() <= TOL
     assert len(inner) >= 4 and all(isinstance(result, tuple) for result in inner), inner
-    for logits, swept in inner:
-        assert torch.equal(logits, clean_logits) and (swept - serial[1]).abs().max() <= TOL
+    for inner_logits, swept in inner:
+        assert torch.equal(inner_logits, clean_logits) and (swept - serial[1]).abs().max() <= TOL
     assert_as_found(lm, before)
 
 

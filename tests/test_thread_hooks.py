@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 from bridge_models import bridge
-from hf_models import ids, model
+from hf_models import ids, logits, model
 
 from safelens.core._thread_hooks import hooked_anywhere, thread_hooks
 
@@ -60,3 +61,65 @@ def test_safelens_own_thread_hooks_do_not_count_and_a_users_counts_in_every_thre
         other.join()
         handle.remove()
     assert seen == [False, True]
+
+
+@pytest.mark.parametrize("family", ["hf", "bridge"])
+def test_another_threads_pass_while_a_hook_is_half_registered_is_plain(family, monkeypatch):
+    """PyTorch registers a `with_kwargs` hook in two steps; a pass of another thread in
+    between calls it without `kwargs`. At each such registration a sweep makes, another
+    thread runs the model there: its logits are the plain ones, and nothing raises."""
+    import safelens
+    from safelens import run_with_patching_cache
+
+    lm = model("gemma2", layers=3) if family == "hf" else bridge("llama", layers=3)
+    clean, corrupted = ids(1, 6, seed=1), ids(1, 6, seed=2)
+    if family == "hf":
+        _, clean_cache = run_with_patching_cache(lm, clean)
+    else:
+        _, clean_cache = lm.run_with_cache(clean)
+    probe = ids(2, 5, seed=7)
+    plain = logits(lm, probe)
+    sweeps = [safelens.get_act_patch_attn_head_k_by_pos, safelens.get_act_patch_resid_pre]
+
+    def metric(logits):
+        return logits[:, -1, 3] - logits[:, -1, 5]
+
+    metric.last_position_only = True
+    serial = [sweep(lm, corrupted, clean_cache, metric, progress=False) for sweep in sweeps]
+    me = threading.get_ident()
+    seen: list = []
+
+    def half_registered(register, flags: str):
+        def wrapper(module, hook, *args, **kwargs):
+            handle = register(module, hook, *args, **kwargs)
+            if kwargs.get("with_kwargs") and threading.get_ident() == me:
+                del getattr(module, flags)[handle.id]  # the hook stored, its flag not yet
+
+                def other() -> None:
+                    try:
+                        seen.append(logits(lm, probe))
+                    except Exception as error:  # noqa: BLE001 - the assertion reports it
+                        seen.append(error)
+
+                worker = threading.Thread(target=other)
+                worker.start()
+                worker.join()
+                getattr(module, flags)[handle.id] = True
+            return handle
+
+        return wrapper
+
+    module = torch.nn.Module
+    pre, post = module.register_forward_pre_hook, module.register_forward_hook
+    monkeypatch.setattr(
+        module, "register_forward_pre_hook", half_registered(pre, "_forward_pre_hooks_with_kwargs")
+    )
+    monkeypatch.setattr(
+        module, "register_forward_hook", half_registered(post, "_forward_hooks_with_kwargs")
+    )
+    got = [sweep(lm, corrupted, clean_cache, metric, progress=False) for sweep in sweeps]
+    monkeypatch.undo()
+    assert len(seen) >= 4
+    assert all(isinstance(logits, torch.Tensor) and torch.equal(logits, plain) for logits in seen)
+    for swept, expected in zip(got, serial, strict=True):
+        assert torch.equal(swept, expected)

@@ -12,6 +12,12 @@ acting only in that thread's passes, removed by their own handles when the block
 bookkeeping, stay as they were. `hooked_here` reads those tags: whether a point has a
 hook that acts on the calling thread's passes.
 
+Half-registered hooks: PyTorch registers a hook `with_kwargs=True` in two steps (the
+hook, then its flag), so another thread's forward pass through the module in between
+calls it the plain way, `hook(module, args)` (a forward hook: `hook(module, args,
+output)`). Every such hook safelens attaches takes that call and does nothing: it is
+never its own thread's pass, which starts only after the registration.
+
 Caveat: a hook acts in the thread that attached it, not in the work that thread
 starts: a forward pass handed to another thread (a worker pool, `DataParallel`
 replicas) runs without it.

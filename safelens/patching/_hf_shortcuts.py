@@ -61,8 +61,8 @@ _TOLERANCE = {True: 1e-4, False: 3e-2}
 def _last_position_input(me: int) -> Callable[..., Any]:
     """A pre-hook that keeps the last position of a module's input, in thread `me` only."""
 
-    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if threading.get_ident() != me:
+    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
+        if threading.get_ident() != me or kwargs is None:  # half-registered: `core._thread_hooks`
             return None
         if args:
             return (args[0][:, -1:], *args[1:]), kwargs
@@ -85,14 +85,17 @@ def captured(backend: Backend) -> Iterator[tuple[list[Any], list[Any]]]:
     forms: list[Any] = [None] * len(layers)
 
     def record(index: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
-        def before(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if threading.get_ident() == me:  # a copy: the pass may edit its tensors in place
+        def before(module: Any, args: tuple[Any, ...], kwargs: Any = None) -> None:
+            # No `kwargs`: half-registered, in another thread's pass (`core._thread_hooks`).
+            if threading.get_ident() == me and kwargs is not None:
+                # A copy: the pass may edit its tensors in place.
                 hidden = args[0] if args else kwargs["hidden_states"]
                 inputs[index] = hidden.detach().clone()
 
-        def after(module: Any, args: Any, kwargs: Any, output: Any) -> None:
-            if threading.get_ident() == me:
-                forms[index] = output_form(output)
+        def after(module: Any, args: Any, *rest: Any) -> None:
+            # `(kwargs, output)`; `(output,)` when half-registered (`core._thread_hooks`).
+            if threading.get_ident() == me and len(rest) == 2:
+                forms[index] = output_form(rest[1])
 
         return before, after
 

@@ -278,8 +278,10 @@ def residual_input(
     me = threading.get_ident()
 
     def pre_hook(edit: Callable[[torch.Tensor], torch.Tensor | None]) -> Any:
-        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if threading.get_ident() != me:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
+            if (
+                threading.get_ident() != me or kwargs is None
+            ):  # half-registered: `core._thread_hooks`
                 return None
             hidden = args[0] if args else kwargs["hidden_states"]
             result = edit(hidden)

@@ -73,10 +73,18 @@ def attention_modules(bridge: Any) -> list[torch.nn.Module]:
 
 
 def _alias(
-    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """Hand a cache that arrives as `cache=` to the bridge under `past_key_values=` too."""
-    if kwargs.get("cache") is not None and kwargs.get("past_key_values") is None:
+    """Hand a cache that arrives as `cache=` to the bridge under `past_key_values=` too.
+
+    Without `kwargs` (half-registered, `safelens.core._thread_hooks`: a pass of a thread
+    outside `cache_pass`, which hands no cache), nothing.
+    """
+    if (
+        kwargs is not None
+        and kwargs.get("cache") is not None
+        and kwargs.get("past_key_values") is None
+    ):
         return args, {**kwargs, "past_key_values": kwargs["cache"]}
     return None
 

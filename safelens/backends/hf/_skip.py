@@ -132,8 +132,8 @@ def skipping(
         raise RuntimeError("skipping blocks do not nest on one thread")
     me = threading.get_ident()
 
-    def enter(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if threading.get_ident() != me:
+    def enter(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
+        if threading.get_ident() != me or kwargs is None:  # half-registered: `core._thread_hooks`
             return None
         if args:
             return (residual, *args[1:]), kwargs
