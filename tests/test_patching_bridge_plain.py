@@ -216,3 +216,18 @@ def test_threads_sweeping_one_bridge_on_its_plain_model_get_the_serial_result(pa
         assert isinstance(got, torch.Tensor) and torch.equal(got, serial[sweeps.index(sweep)])
     assert set(passes_on) == {"hf"}
     assert lm.original_model.config._attn_implementation_internal == config
+
+
+def test_a_plain_model_that_cannot_run_the_pass_leaves_the_sweep_on_the_bridge(
+    monkeypatch, passes_on
+):
+    lm = bridge("llama")
+    other = _hf_model("llama")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("this model cannot run here")
+
+    monkeypatch.setattr(other.model.layers[0], "forward", broken)
+    monkeypatch.setattr(BridgeBackend, "plain", lambda self: HFBackend(other))
+    check_sweeps(lm, SITES[:2])
+    assert passes_on == ["bridge"] * 2

@@ -247,15 +247,20 @@ def _on_plain_model(run: _Corrupted, tokens: torch.Tensor, mask: torch.Tensor) -
     runs HuggingFace's own code without the bridge's components; its passes cost less.
     It is used only where HuggingFace has the site, and only when its corrupted run
     gives the bridge's logits and, at every layer, the bridge's values at the site, to
-    float rounding (a bridge in TransformerLens' compatibility mode, whose components
-    compute otherwise, fails this); else `run` is returned as it is.
+    float rounding (where the bridge's components compute otherwise, as Gemma-2's read
+    `attn_out` after a norm outside the module, it does not); else, and where the plain
+    model cannot run the pass at all, `run` is returned as it is.
     """
     if run.site.activation not in TL_NAMES_ON_HF:
         return run
-    backend = run.backend.plain()  # type: ignore[attr-defined]
-    if backend is None:
+    try:
+        backend = run.backend.plain()  # type: ignore[attr-defined]
+        if backend is None:
+            return run
+        site = site_of(backend, run.site.activation)
+        twin = _corrupted_run(backend, site, tokens, mask, False)
+    except Exception:  # noqa: BLE001 - no hook of the user's is attached: the model's own
         return run
-    twin = _corrupted_run(backend, site_of(backend, run.site.activation), tokens, mask, False)
     tolerance = _TOLERANCE[torch.finfo(backend.dtype).bits >= 32]
     same = (
         twin.logits.shape == run.logits.shape
