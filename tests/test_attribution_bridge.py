@@ -72,12 +72,20 @@ def test_first_order_estimates_equal_autograd_through_the_bridge(family):
         assert result.estimates[activation].shape == (2, 6, heads)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def capped_gemma2(cap: float = 0.004) -> TransformerBridge:
+    """A Gemma-2 bridge whose scores its soft cap flattens (`cap · tanh(x / cap)`)."""
+    torch.manual_seed(0)
+    config = CONFIGS["gemma2"](2)
+    config.attn_logit_softcapping = cap
+    return boot(transformers.AutoModelForCausalLM.from_config(config))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2-capped"])
 @pytest.mark.parametrize("activation", ["k", "q"])
 def test_the_qk_fix_equals_the_patched_pattern_linearised_from_there(family, activation):
     """Each cell: TransformerLens patches the clean k (or q) in, its `hook_pattern` gives
     the patched pattern, and the effect is dmetric/dpattern · (patched - corrupted)."""
-    lm = bridge(family)
+    lm = capped_gemma2() if family == "gemma2-capped" else bridge(family)
     corrupted, clean_cache = setup(lm)
     result = attribution_patch(lm, corrupted, clean_cache, linear_metric, activations=[activation])
     layers = range(lm.cfg.n_layers)
@@ -165,17 +173,27 @@ def test_a_plain_huggingface_model_is_refused_naming_the_bridge():
 
 
 def test_the_qk_fix_is_refused_where_scores_are_no_multiple_of_q_dot_k():
-    torch.manual_seed(0)
-    config = CONFIGS["gemma2"](2)
-    config.attn_logit_softcapping = 0.05  # tanh saturates: scores are not linear in q·k
-    lm = boot(transformers.AutoModelForCausalLM.from_config(config))
+    """A hook of the user's that adds a position bias to the scores: the fix cannot
+    recompute them from q and k, so it refuses; values and head outputs need no fix."""
+    lm = bridge("llama")
     corrupted, clean_cache = setup(lm)
-    with pytest.raises(PatchingError, match=r"no fixed multiple of q·k.*pass qk_fix=False"):
-        attribution_patch(lm, corrupted, clean_cache, linear_metric)
-    plain = attribution_patch(lm, corrupted, clean_cache, linear_metric, qk_fix=False)
+
+    def bias(scores: torch.Tensor, hook=None) -> torch.Tensor:
+        return scores + torch.arange(scores.shape[-1], dtype=scores.dtype) * 0.5
+
+    lm.add_hook("blocks.1.attn.hook_attn_scores", bias)
+    try:
+        with pytest.raises(
+            PatchingError, match=r"layer 1's attention scores .*no fixed multiple of q·k"
+        ):
+            attribution_patch(lm, corrupted, clean_cache, linear_metric)
+        plain = attribution_patch(lm, corrupted, clean_cache, linear_metric, qk_fix=False)
+        values = attribution_patch(
+            lm, corrupted, clean_cache, linear_metric, activations=["v", "z"]
+        )
+    finally:
+        lm.reset_hooks()
     assert plain.estimates["k"].shape == (2, 6, 2)
-    # Values and head outputs need no fix, and are estimated there.
-    values = attribution_patch(lm, corrupted, clean_cache, linear_metric, activations=["v", "z"])
     torch.testing.assert_close(values.estimates["v"], plain.estimates["v"])
 
 

@@ -276,25 +276,39 @@ def _scores_function(
     backend: Backend, layer: int, q: torch.Tensor, k: torch.Tensor, scores: torch.Tensor
 ) -> Scores:
     """How attention scores `q` against `k` at `layer`: the attention module's own code on
-    a HookedTransformer; on a bridge, `scale · q·k` with the scale read off the corrupted
-    run, which must reproduce its scores (a `PatchingError` where it does not)."""
+    a HookedTransformer; on a bridge, `scale · q·k` (soft-capped as the layer's
+    HuggingFace attention caps it, `cap · tanh(x / cap)`) with the scale read off the
+    corrupted run, which must reproduce its scores (a `PatchingError` where it does not)."""
     if backend.family == "hooked":
         attn = backend.model.blocks[layer].attn
         return lambda q, k: attn.calculate_attention_scores(q, k).double()
+    component = backend.model.blocks[layer].attn
+    cap = getattr(
+        getattr(component, "original_component", component), "attn_logit_softcapping", None
+    )
+    cap = float(cap) if isinstance(cap, (int, float)) and cap > 0 else None
+
+    def capped(x: torch.Tensor) -> torch.Tensor:
+        return x if cap is None else cap * torch.tanh(x / cap)
+
     raw = _dot(q, k)
     kept = scores.isfinite() & (scores > torch.finfo(scores.dtype).min / 2)
     s, r = scores.double()[kept], raw[kept]
-    scale = float((s * r).sum() / (r * r).sum()) if bool((r != 0).any()) else 0.0
-    error = float((scale * r - s).abs().max()) if s.numel() else 0.0
+    # The scale from the scores a cap has not flattened, uncapped.
+    fit = s.abs() < 0.9 * cap if cap is not None else torch.ones_like(s, dtype=torch.bool)
+    target = s[fit] if cap is None else cap * torch.atanh(s[fit] / cap)
+    usable = bool((r[fit] != 0).any())
+    scale = float((target * r[fit]).sum() / (r[fit] * r[fit]).sum()) if usable else 0.0
+    error = float((capped(scale * r) - s).abs().max()) if s.numel() else 0.0
     tolerance = _TOLERANCE[torch.finfo(scores.dtype).bits >= 32]
-    if not s.numel() or error > tolerance * float(s.abs().max()) + 1e-7:
+    if not usable or error > tolerance * float(s.abs().max()) + 1e-7:
         raise PatchingError(
             f"the QK fix recomputes layer {layer}'s attention scores from its queries and "
-            f"keys, but this bridge's scores are no fixed multiple of q·k (off by {error:.2g}: "
-            "soft-capping, position biases, or keys and queries other than the ones attention "
-            "uses); pass qk_fix=False for plain gradient estimates of k and q"
+            f"keys, but this bridge's scores are no fixed multiple of q·k{' soft-capped' if cap else ''} "
+            f"(off by {error:.2g}: position biases, or keys and queries other than the ones "
+            "attention uses); pass qk_fix=False for plain gradient estimates of k and q"
         )
-    return lambda q, k: scale * _dot(q, k)
+    return lambda q, k: capped(scale * _dot(q, k))
 
 
 def _dot(
