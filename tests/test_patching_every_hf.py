@@ -397,3 +397,36 @@ def test_hf_refuses_pattern_sweeps_and_head_bundles_before_any_pass():
     finally:
         handle.remove()
     assert passes == []
+
+
+def test_the_pattern_probe_acts_on_its_own_threads_pass_only():
+    """The probe zeroes one copy's pattern per layer; another thread's pass through the
+    bridge meanwhile (started from inside the probe's own pass) must be plain."""
+    import threading
+
+    from hf_models import logits
+
+    lm = sharp_bridge("llama")
+    clean, corrupted = prompts()
+    _, clean_cache = lm.run_with_cache(clean)
+    probe = ids(3, 6, seed=7)
+    plain = logits(lm, probe)
+    me, seen = threading.get_ident(), []
+
+    def other() -> None:
+        seen.append(logits(lm, probe))
+
+    def start_other(module, args, output) -> None:
+        if threading.get_ident() == me and not seen:
+            worker = threading.Thread(target=other)
+            worker.start()
+            worker.join()
+
+    handle = lm.original_model.lm_head.register_forward_hook(start_other)
+    try:
+        safelens.get_act_patch_attn_head_pattern_all_pos(
+            lm, corrupted, clean_cache, batched, progress=False
+        )
+    finally:
+        handle.remove()
+    assert len(seen) == 1 and torch.equal(seen[0], plain)

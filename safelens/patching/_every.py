@@ -85,9 +85,12 @@ def _check_seam_model(
     """
     backend = backend_of(model, bundle)
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
-    if "pattern" in activations:
-        _check_pattern_hook(model, tokens, bundle)
-    for activation in activations:
+    # The pattern last, after the probe pass that says why a bridge may not have it: the
+    # checks that need no forward pass first.
+    ordered = [activation for activation in activations if activation != "pattern"]
+    for activation in [*ordered, "pattern"] if "pattern" in activations else ordered:
+        if activation == "pattern":
+            _check_pattern_hook(model, tokens, bundle)
         try:
             site = site_of(backend, activation, clean_cache)
             for layer in range(backend.n_layers):

@@ -86,13 +86,16 @@ def _check_pattern_hook(model: Any, corrupted_tokens: Any, what: str) -> None:
 
     outputs = [(f"blocks.{layer}.attn.hook_z", kept(layer)) for layer in range(n_layers)]
     outputs = [(name, fn) for name, fn in outputs if name in model.hook_dict]
+    copies = tokens.repeat(n_layers + 1, 1)
+    cache = backend.empty_cache(n_layers + 1)  # holds no hook here; the pass runs without it
+    hooks = [(name, zeroed(layer)) for layer, name in enumerate(names)] + outputs
     with torch.no_grad(), warnings.catch_warnings():
         # TransformerLens 4 warns of what this pass tests, where it holds
         warnings.filterwarnings("ignore", "A hook on .*hook_pattern returned a modified tensor")
-        logits = model.run_with_hooks(
-            tokens.repeat(n_layers + 1, 1),
-            fwd_hooks=[(name, zeroed(layer)) for layer, name in enumerate(names)] + outputs,
-        )
+        # This thread's pass alone: another thread's passes through the bridge meanwhile
+        # see none of these hooks.
+        with backend.pass_hooks(cache, hooks):  # type: ignore[arg-type]
+            logits = model(copies)  # as `bridge(tokens)`: every position attended
 
     def moved(tensor: torch.Tensor | None, layer: int) -> bool:
         """Whether copy `layer + 1` of `tensor` differs from copy 0 (a few float steps)."""
