@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Hook", "hooked_anywhere", "hooked_here", "thread_hooks"]
+__all__ = ["LIBRARIES", "Hook", "hooked_anywhere", "hooked_here", "thread_hooks"]
 
 # `fn(tensor, hook)`, TransformerLens' hook protocol: returns the new tensor, or `None`.
 Hook = Callable[[torch.Tensor, Any], Any]
@@ -102,11 +102,12 @@ def hooked_anywhere(model: torch.nn.Module) -> bool:
     return not all(_libraries(hook) for hook in hooks)
 
 
-_LIBRARIES = frozenset({"torch", "transformers", "transformer_lens", "accelerate", "safelens"})
+# The packages whose code is the libraries' own, not the user's.
+LIBRARIES = frozenset({"torch", "transformers", "transformer_lens", "accelerate", "safelens"})
 
 
 def _libraries(hook: Any) -> bool:
-    """Whether `hook`'s code belongs to one of `_LIBRARIES` (a partial: its function's)."""
+    """Whether `hook`'s code belongs to one of `LIBRARIES` (a partial: its function's)."""
     function = getattr(hook, "func", hook)
     module = getattr(function, "__module__", None) or type(function).__module__
-    return str(module).partition(".")[0] in _LIBRARIES
+    return str(module).partition(".")[0] in LIBRARIES

@@ -47,7 +47,7 @@ from ..backends._backend import Backend, backend_of
 from ..core._arguments import flag, positive_int
 from ..core._errors import PatchingError
 from ..core._thread_hooks import thread_hooks
-from ._hf_shortcuts import _TOLERANCE
+from ._hf_shortcuts import tolerance
 from ._hf_sites import _tokens
 from ._hf_sweeps import _check_no_dropout
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
@@ -300,12 +300,12 @@ def _scores_function(
     usable = bool((r[fit] != 0).any())
     scale = float((target * r[fit]).sum() / (r[fit] * r[fit]).sum()) if usable else 0.0
     error = float((capped(scale * r) - s).abs().max()) if s.numel() else 0.0
-    tolerance = _TOLERANCE[torch.finfo(scores.dtype).bits >= 32]
-    if not usable or error > tolerance * float(s.abs().max()) + 1e-7:
+    if not usable or error > tolerance(scores.dtype) * float(s.abs().max()) + 1e-7:
+        form = "q·k soft-capped" if cap else "q·k"
         raise PatchingError(
             f"the QK fix recomputes layer {layer}'s attention scores from its queries and "
-            f"keys, but this bridge's scores are no fixed multiple of q·k{' soft-capped' if cap else ''} "
-            f"(off by {error:.2g}: position biases, or keys and queries other than the ones "
+            f"keys, but this bridge's scores are no fixed multiple of {form} (off by "
+            f"{error:.2g}: position biases, or keys and queries other than the ones "
             "attention uses); pass qk_fix=False for plain gradient estimates of k and q"
         )
     return lambda q, k: capped(scale * _dot(q, k))
@@ -383,8 +383,7 @@ def attribution_patch(
     _check_limits(max_batch, max_bytes, progress)
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
     _check_no_dropout(backend.model)
-    fixed = qk_fix and bool({"k", "q"} & set(chosen))
-    if fixed:
+    if qk_fix and {"k", "q"} & set(chosen):
         # The fix reads the gradient at `hook_pattern`: the attention must use its output.
         _check_pattern_hook(model, tokens, "attribution_patch's QK fix")
     baseline, acts, grads = _corrupted_pass(

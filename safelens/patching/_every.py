@@ -85,10 +85,9 @@ def _check_seam_model(
     """
     backend = backend_of(model, bundle)
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
-    # The pattern last, after the probe pass that says why a bridge may not have it: the
-    # checks that need no forward pass first.
-    ordered = [activation for activation in activations if activation != "pattern"]
-    for activation in [*ordered, "pattern"] if "pattern" in activations else ordered:
+    # The pattern last: its probe pass (which says why a bridge may not have it) after
+    # the checks that need no forward pass.
+    for activation in sorted(activations, key=lambda activation: activation == "pattern"):
         if activation == "pattern":
             _check_pattern_hook(model, tokens, bundle)
         try:

@@ -47,15 +47,21 @@ import torch
 
 from ..backends._backend import Backend
 from ..backends.hf._skip import output_form, skipping
+from ..core._thread_hooks import LIBRARIES
 from ._hf_sites import _decoder_layers
 from ._metric import reads_last_position
 
-__all__ = ["Shortcuts", "captured"]
+__all__ = ["Shortcuts", "captured", "tolerance"]
 
 # Sites whose patch at the last layer sits before that layer's MLP.
 _BEFORE_MLP = frozenset({"k", "v", "q", "z", "pattern", "resid_pre", "resid_mid", "attn_out"})
 # Tolerance of the check, relative to the largest logit: float32 (and wider), else half.
 _TOLERANCE = {True: 1e-4, False: 3e-2}
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """How far a recomputation may stray, relative to the largest value, in `dtype`."""
+    return _TOLERANCE[torch.finfo(dtype).bits >= 32]
 
 
 def _last_position_input(me: int) -> Callable[..., Any]:
@@ -190,7 +196,7 @@ class Shortcuts:
         return cls(backend, residuals, forms, False, last_only, partial=partial)
 
     def tolerance(self) -> float:
-        return _TOLERANCE[torch.finfo(self.backend.dtype).bits >= 32]
+        return tolerance(self.backend.dtype)
 
 
 def _holds(check: Callable[[Shortcuts, int, int], bool], shortcuts: Shortcuts) -> bool:
@@ -216,12 +222,12 @@ def _holds(check: Callable[[Shortcuts, int, int], bool], shortcuts: Shortcuts) -
 
 
 def _raised_in_libraries(error: BaseException) -> bool:
-    """Whether `error` was raised in torch, transformers, TransformerLens or safelens code."""
+    """Whether `error` was raised in the libraries' code (`LIBRARIES`), not the user's."""
     frame = error.__traceback__
     while frame is not None and frame.tb_next is not None:
         frame = frame.tb_next
     module = "" if frame is None else str(frame.tb_frame.f_globals.get("__name__", ""))
-    return module.partition(".")[0] in {"torch", "transformers", "transformer_lens", "safelens"}
+    return module.partition(".")[0] in LIBRARIES
 
 
 def _unembedding(backend: Backend) -> Any:

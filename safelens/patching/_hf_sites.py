@@ -279,9 +279,8 @@ def residual_input(
 
     def pre_hook(edit: Callable[[torch.Tensor], torch.Tensor | None]) -> Any:
         def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
-            if (
-                threading.get_ident() != me or kwargs is None
-            ):  # half-registered: `core._thread_hooks`
+            # No `kwargs`: half-registered, in another thread's pass (`core._thread_hooks`).
+            if threading.get_ident() != me or kwargs is None:
                 return None
             hidden = args[0] if args else kwargs["hidden_states"]
             result = edit(hidden)

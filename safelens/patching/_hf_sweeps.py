@@ -46,7 +46,7 @@ from tqdm import tqdm
 from ..backends._backend import Backend, backend_of
 from ..core._errors import PatchingError
 from ..core._thread_hooks import hooked_anywhere
-from ._hf_shortcuts import _TOLERANCE, Shortcuts, captured
+from ._hf_shortcuts import Shortcuts, captured, tolerance
 from ._hf_sites import (
     TL_NAMES_ON_HF,
     Site,
@@ -261,13 +261,13 @@ def _on_plain_model(run: _Corrupted, tokens: torch.Tensor, mask: torch.Tensor) -
         twin = _corrupted_run(backend, site, tokens, mask, False)
     except Exception:  # noqa: BLE001 - no hook of the user's is attached: the model's own
         return run
-    tolerance = _TOLERANCE[torch.finfo(backend.dtype).bits >= 32]
+    bound = tolerance(backend.dtype)
     same = (
         twin.logits.shape == run.logits.shape
-        and _close(twin.logits, run.logits, tolerance)
+        and _close(twin.logits, run.logits, bound)
         and twin.seen.keys() == run.seen.keys()
         and all(
-            twin.seen[layer].shape == seen.shape and _close(twin.seen[layer], seen, tolerance)
+            twin.seen[layer].shape == seen.shape and _close(twin.seen[layer], seen, bound)
             for layer, seen in run.seen.items()
         )
     )

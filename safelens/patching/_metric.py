@@ -34,7 +34,8 @@ class _Metric:
     """A batched metric, or a per-run (TransformerLens-style scalar) one.
 
     Which it is shows at the first call with several runs: one value (a scalar, or a
-    one-element tensor) for all of them means per-run. Whatever it returns is checked against what was expected.
+    one-element tensor) for all of them means per-run. Whatever it returns is checked
+    against what was expected.
     """
 
     def __init__(self, fn: Metric, batch: int) -> None:
