@@ -31,7 +31,7 @@ import safelens
 from safelens import PatchingError, SafelensError, run_with_patching_cache
 from safelens.backends._backend import backend_of
 from safelens.backends.bridge import _cache_pass
-from safelens.backends.hf import _skip
+from safelens.backends.hf import _override, _skip
 
 TOL = 1e-5
 
@@ -98,7 +98,7 @@ def assert_as_found(lm, before: dict) -> None:
     assert after["training"] == before["training"]
     assert after["context_level"] == before["context_level"]
     assert all(torch.equal(a, b) for a, b in zip(after["params"], before["params"], strict=True))
-    assert not _skip._INSTALLED and _skip.skipped_layers() == frozenset()
+    assert not _override._INSTALLED and _skip.skipped_layers() == frozenset()
     assert not _cache_pass._ALIASED
 
 

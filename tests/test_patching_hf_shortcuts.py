@@ -25,7 +25,7 @@ from transformer_lens import patching
 import safelens
 from safelens import run_with_patching_cache
 from safelens.backends._backend import backend_of
-from safelens.backends.hf import _skip
+from safelens.backends.hf import _override, _skip
 from safelens.patching import _hf_shortcuts, _hf_sweeps
 
 LAYERS, LENGTH = 4, 10
@@ -97,7 +97,7 @@ def assert_left_as_found(lm, hooks: dict | None = None) -> None:
     else:
         assert hooks_of(lm) == hooks
     assert all("forward" not in m.__dict__ for m in lm.modules())
-    assert not _skip._INSTALLED
+    assert not _override._INSTALLED
 
 
 HF_SWEEPS = {
@@ -144,19 +144,28 @@ def test_hf_sweeps_take_the_shortcuts_and_equal_a_loop_of_hooked_forwards(
         # of the residual stream entering the layer (its keys and values change).
         late = [run[2] for first, start, runs in passes[-1] for run in runs if start == LENGTH - 1]
         assert any(pos < LENGTH - 1 for pos in late) == (activation != "resid_pre"), sweep_name
-        indices = [(layer, pos, 1)[: got.dim()] for layer in range(LAYERS) for pos in (3, 6, 9)]
-
-        def metric(logits):
-            return (logits[:, -1, ANSWER] - logits[:, -1, WRONG]).mean()
-
-        with monkeypatch.context() as patched:
-            patched.setattr("test_patching_hf.metric", metric)
-            expected = reference(lm, activation, indices, clean, corrupted, mask)
-        assert (got[tuple(torch.tensor(indices).T)] - expected).abs().max() <= TOL, sweep_name
-        exact = without_shortcuts(monkeypatch, sweep, lm, corrupted, clean_cache, last_only(2))
-        assert (got - exact).abs().max() <= TOL, sweep_name
-        assert (got - got.flatten()[0]).abs().max() > 1e-6, sweep_name
+        assert_equals_references(monkeypatch, sweep, activation, got, lm, (clean, corrupted, mask))
     assert_left_as_found(lm)
+
+
+def assert_equals_references(monkeypatch, sweep, activation, got, lm, prompts) -> None:
+    """`got`, `sweep`'s grid with `last_only(2)`, equals a loop of hooked forwards (some
+    cells) and the sweep without shortcuts, and is not constant."""
+    clean, corrupted, mask = prompts
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    indices = [(layer, pos, 1)[: got.dim()] for layer in range(LAYERS) for pos in (3, 6, 9)]
+
+    def metric(logits):
+        return (logits[:, -1, ANSWER] - logits[:, -1, WRONG]).mean()
+
+    with monkeypatch.context() as patched:
+        patched.setattr("test_patching_hf.metric", metric)
+        expected = reference(lm, activation, indices, clean, corrupted, mask)
+    name = sweep.__name__
+    assert (got[tuple(torch.tensor(indices).T)] - expected).abs().max() <= TOL, name
+    exact = without_shortcuts(monkeypatch, sweep, lm, corrupted, clean_cache, last_only(2))
+    assert (got - exact).abs().max() <= TOL, name
+    assert (got - got.flatten()[0]).abs().max() > 1e-6, name
 
 
 def test_hf_sweep_with_a_metric_of_every_position_skips_layers_only(taken, monkeypatch):

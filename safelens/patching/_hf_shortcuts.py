@@ -46,8 +46,10 @@ from typing import Any
 import torch
 
 from ..backends._backend import Backend
+from ..backends.hf._override import overriding
 from ..backends.hf._skip import output_form, skipping
 from ..core._thread_hooks import LIBRARIES
+from ._hf_lean import Lean
 from ._hf_sites import _decoder_layers
 from ._metric import reads_last_position
 
@@ -132,6 +134,8 @@ class Shortcuts:
     trim_mlp: bool = False
     # Whether a pass may run fewer positions than the prompt's (no user hook attached).
     partial: bool = True
+    # The replacements inside a pass it takes (`safelens.patching._hf_lean`), if any.
+    lean: Lean | None = None
 
     layers: torch.nn.ModuleList = field(init=False, repr=False)
 
@@ -159,6 +163,8 @@ class Shortcuts:
                         _last_position_input(me), with_kwargs=True
                     )
                     stack.callback(handle.remove)
+            if self.lean is not None:
+                stack.enter_context(overriding(self.lean.replacements(first, runs, self.trim)))
             yield
 
     @classmethod
@@ -185,13 +191,25 @@ class Shortcuts:
             for form, tensor in zip(forms, inputs, strict=True)
         )
         trims = partial and last_only and isinstance(_unembedding(backend), torch.nn.Module)
-        mlp = getattr(_decoder_layers(backend.model, n_layers)[1][-1], "mlp", None)
+        layers = _decoder_layers(backend.model, n_layers)[1]
+        mlp = getattr(layers[-1], "mlp", None)
         trim_mlp = activation in _BEFORE_MLP and isinstance(mlp, torch.nn.Module)
-        for skip, trim in dict.fromkeys([(skips, trims), (skips, False), (False, trims)]):
+        # A plain HuggingFace model's own modules (not a bridge's, with hook points inside).
+        lean = Lean(layers, backend.device) if partial and backend.family == "hf" else None
+        candidates = [(skips, trims, lean), (skips, trims, None), (skips, False, None)]
+        for skip, trim, leaner in dict.fromkeys([*candidates, (False, trims, None)]):
             chosen = cls(
-                backend, residuals, forms, skip, last_only, trim, trim and trim_mlp, partial
+                backend,
+                residuals,
+                forms,
+                skip,
+                last_only,
+                trim,
+                trim and trim_mlp,
+                partial,
+                leaner,
             )
-            if (skip or trim) and _holds(check, chosen):
+            if (skip or trim or leaner is not None) and _holds(check, chosen):
                 return chosen
         return cls(backend, residuals, forms, False, last_only, partial=partial)
 

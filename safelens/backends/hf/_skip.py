@@ -11,10 +11,9 @@ loop itself, its masks, its per-layer settings (hybrid attention types indexed b
 layer) and the hooks on layer `first` onward run as usual; a skipped layer never calls
 `cache.update`, so its cache layer keeps what it held.
 
-How: while any thread skips, each decoder layer's `forward` is an instance attribute
-that looks up the calling thread's plan and otherwise calls the layer's own `forward`,
-so other threads' passes through the model run every layer. The attribute is put back
-(or removed) when the last skipping block exits, also on error.
+How: the skipped layers' `forward` is replaced on the calling thread only
+([`overriding`][safelens.backends.hf._override.overriding]), so other threads' passes
+through the model run every layer.
 
 Caveat: the caller vouches for `residual` (the patching sweeps take it from the
 unpatched run of the same tokens, before any pre-hook of the user's, and check once per
@@ -25,25 +24,21 @@ fire, on what it is handed and returns, and what they return is not used.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-__all__ = ["output_form", "skipped_layers", "skipping"]
+from ._override import Replacement, overriding
 
-_LOCK = threading.Lock()
-# id(layer) -> (threads skipping, the instance `forward` it had before, if any)
-_INSTALLED: dict[int, tuple[int, Any]] = {}
-_MISSING = object()
+__all__ = ["output_form", "skipped_layers", "skipping"]
 
 
 class _Plan(threading.local):
-    """The calling thread's plan: each skipped layer's output form (it returns its input)."""
+    """The calling thread's plan: the indices of the layers its pass skips."""
 
     def __init__(self) -> None:
-        self.forms: dict[int, int] = {}
         self.skipped: frozenset[int] = frozenset()
 
 
@@ -68,42 +63,14 @@ def output_form(output: Any) -> int | None:
     return None
 
 
-def _skipping_forward(layer: torch.nn.Module, own: Callable[..., Any]) -> Callable[..., Any]:
-    key = id(layer)
+def _passed_on(form: int) -> Replacement:
+    """A skipped layer's forward: it returns the hidden states it is handed, in `form`."""
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        form = _PLAN.forms.get(key)
-        if form is None:  # not skipped on this thread
-            return own(*args, **kwargs)
+    def forward(own: Any, *args: Any, **kwargs: Any) -> Any:
         hidden = args[0] if args else kwargs["hidden_states"]
         return hidden if form == 0 else (hidden, *(None,) * (form - 1))
 
     return forward
-
-
-@contextmanager
-def _installed(layers: Sequence[torch.nn.Module]) -> Iterator[None]:
-    """Each layer's `forward` able to skip, while any thread's block needs it."""
-    with _LOCK:
-        for layer in layers:
-            count, before = _INSTALLED.get(id(layer), (0, _MISSING))
-            if count == 0:
-                before = layer.__dict__.get("forward", _MISSING)
-                own = layer.forward
-                object.__setattr__(layer, "forward", _skipping_forward(layer, own))
-            _INSTALLED[id(layer)] = (count + 1, before)
-    try:
-        yield
-    finally:
-        with _LOCK:
-            for layer in layers:
-                count, before = _INSTALLED.pop(id(layer))
-                if count > 1:
-                    _INSTALLED[id(layer)] = (count - 1, before)
-                elif before is _MISSING:
-                    del layer.__dict__["forward"]
-                else:
-                    object.__setattr__(layer, "forward", before)
 
 
 @contextmanager
@@ -128,7 +95,7 @@ def skipping(
         yield
         return
     skipped = list(layers)[:first]
-    if _PLAN.forms:
+    if _PLAN.skipped:
         raise RuntimeError("skipping blocks do not nest on one thread")
     me = threading.get_ident()
 
@@ -142,13 +109,11 @@ def skipping(
     # First among the layer's pre-hooks: the user's run after it, as in an unskipped pass.
     handle = layers[first].register_forward_pre_hook(enter, with_kwargs=True, prepend=True)
     try:
-        with _installed(skipped):
-            _PLAN.forms = {id(layer): forms[index] for index, layer in enumerate(skipped)}
+        with overriding({layer: _passed_on(forms[index]) for index, layer in enumerate(skipped)}):
             _PLAN.skipped = frozenset(range(first))
             try:
                 yield
             finally:
-                _PLAN.forms = {}
                 _PLAN.skipped = frozenset()
     finally:
         handle.remove()
