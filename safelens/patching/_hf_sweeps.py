@@ -11,9 +11,8 @@ output at `p` alone) changes nothing before `l` or before `p` in a causal model,
 runs are grouped by layer and by `p` rounded down to a multiple of a span (chosen per
 layer by a cost model, `_passes`); each group's runs are stacked along the batch,
 `batch` rows per run, and run only positions `p:` through the model, on forks of the
-corrupted cache cropped to `p` and broadcast to every row (`cropped(p).expand(rows)`,
-read once per layer under [`shared_prefix`][safelens.shared_prefix] on HuggingFace
-models), starting at layer `l` with the corrupted run's residual stream, and, for a
+corrupted cache cropped to `p` and broadcast to every row (`cropped(p).expand(rows)`),
+starting at layer `l` with the corrupted run's residual stream, and, for a
 metric that reads only the last position, unembedding that position alone
 (`safelens.patching._hf_shortcuts`, which checks once per sweep that both shortcuts hold
 on the model). The logits of positions `< p` are the corrupted run's. While a hook of
@@ -434,7 +433,10 @@ class _Pass:
         fwd_hooks = [(name, _as_hook(edit)) for name, edit in hooked]
         with shortcuts.taken(first, start, runs), residual_input(backend, inputs):
             with backend.pass_hooks(prefix, fwd_hooks):  # type: ignore[arg-type]
-                logits = backend.forward_continuations(
+                # `forward`, not `forward_continuations`: reading the prefix once per layer
+                # (`shared_prefix`) costs more than it saves on a pass of this many rows
+                # and new positions (a quarter more on a 256-token key grid).
+                logits = backend.forward(
                     tokens[:, start:].repeat(runs, 1), self.mask.repeat(runs, 1), prefix
                 )
         return logits[:, -1:] if shortcuts.last_only else logits

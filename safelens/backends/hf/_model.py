@@ -7,14 +7,23 @@ passes a cache asks [`hf_cache_argument`][safelens.hf_cache_argument] for the na
 
 from __future__ import annotations
 
+import functools
 import inspect
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 
 from ...core._errors import CacheConfigError
 
 __all__ = ["hf_cache_argument"]
+
+
+@functools.lru_cache(maxsize=64)
+def _parameters(function: Callable[..., Any]) -> tuple[str, ...]:
+    """The names of a method's parameters after `self` (`inspect.signature` is slow; asked
+    per pass)."""
+    return tuple(inspect.signature(function).parameters)[1:]
 
 
 def hf_cache_argument(model: torch.nn.Module) -> Literal["cache", "past_key_values"]:
@@ -37,7 +46,13 @@ def hf_cache_argument(model: torch.nn.Module) -> Literal["cache", "past_key_valu
 
     ```
     """
-    parameters = inspect.signature(model.forward).parameters
+    forward = model.forward
+    function = getattr(forward, "__func__", None)  # a method: its signature, once
+    parameters = (
+        _parameters(function)
+        if function is not None
+        else tuple(inspect.signature(forward).parameters)
+    )
     if "cache" in parameters:
         return "cache"
     if "past_key_values" in parameters:

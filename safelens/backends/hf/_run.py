@@ -186,12 +186,20 @@ def split_names(
 
 
 def _resolve(
-    backend: HFBackend, names: NamesFilter, cache_only: bool = False
+    backend: HFBackend,
+    names: NamesFilter,
+    cache_only: bool = False,
+    modules: dict[str, torch.nn.Module] | None = None,
 ) -> tuple[list[str], list[str]]:
-    """`(module_names, cache_names)` that `names` selects, or a `HookError` saying why not."""
+    """`(module_names, cache_names)` that `names` selects, or a `HookError` saying why not.
+
+    `modules`: the model's `named_modules()`, when the caller has them.
+    """
+    if modules is None:
+        modules = dict(backend.model.named_modules())
     return split_names(
         names,
-        [name for name, _ in backend.model.named_modules() if name],
+        [name for name in modules if name],
         backend.cache_hook_names(),
         "a module of the model",
         "capture it with run_with_hooks and a hook that keeps what it sees",
@@ -207,8 +215,8 @@ def select_cache_hooks(backend: HFBackend, names: NamesFilter) -> list[str]:
 @contextmanager
 def attach_hooks(backend: HFBackend, cache: HFKeyValueCache, fwd_hooks: FwdHooks) -> Iterator[None]:
     """Attach `fwd_hooks` (module and cache names) for the block, inside `cache.guard()`."""
-    resolved = [(_resolve(backend, names), fn) for names, fn in _pairs(fwd_hooks)]
     modules = dict(backend.model.named_modules())
+    resolved = [(_resolve(backend, names, modules=modules), fn) for names, fn in _pairs(fwd_hooks)]
     module_points = [
         (modules[name], _ModuleHook(ModuleHookPoint(name, modules[name]), fn))
         for (module_names, _), fn in resolved
