@@ -204,3 +204,51 @@ def test_a_module_is_overridden_once_at_a_time_on_a_thread_and_put_back():
                 pass
         assert torch.equal(linear(torch.zeros(1, 4)), torch.full((1, 4), 10.0))
     assert linear.__dict__["forward"] is own and not _override._INSTALLED
+
+
+def test_a_hook_of_the_users_anywhere_turns_every_replacement_off(acted):
+    lm = model("llama", layers=LAYERS)
+    clean, corrupted = pair(1)
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    seen = []
+    handle = lm.model.layers[1].mlp.down_proj.register_forward_hook(
+        lambda module, args, output: seen.append(output.shape)
+    )
+    try:
+        got = safelens.get_act_patch_attn_head_k_by_pos(
+            lm, corrupted, clean_cache, last_only(1), progress=False
+        )
+    finally:
+        handle.remove()
+    assert not acted and seen  # the hook saw the passes, whole
+    expected = safelens.get_act_patch_attn_head_k_by_pos(
+        lm, corrupted, clean_cache, last_only(1), progress=False
+    )
+    assert acted["shared", "lean"] > 0
+    assert (got - expected).abs().max() <= TOL
+
+
+def test_a_sweep_interrupted_inside_a_replacement_puts_every_module_back(monkeypatch):
+    lm = model("qwen2", layers=LAYERS)
+    clean, corrupted = pair(1)
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    tokens = torch.randint(1, 50, (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        before = lm(tokens).logits
+    calls = []
+    last_position = _hf_lean._last_position
+
+    def interrupt(own, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 9:  # inside a patched pass, after the checks
+            raise KeyboardInterrupt
+        return last_position(own, *args, **kwargs)
+
+    monkeypatch.setattr(_hf_lean, "_last_position", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        safelens.get_act_patch_attn_head_k_by_pos(
+            lm, corrupted, clean_cache, last_only(1), progress=False
+        )
+    assert_left_as_found(lm)
+    with torch.no_grad():
+        assert torch.equal(lm(tokens).logits, before)
