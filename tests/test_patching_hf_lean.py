@@ -63,6 +63,20 @@ def acted(monkeypatch):
     return counts
 
 
+def _prompts(name: str):
+    """A four-layer `name` model, a one-row prompt pair and the clean cache."""
+    lm = model(name, layers=LAYERS)
+    clean, corrupted = pair(1)
+    return lm, corrupted, run_with_patching_cache(lm, clean)[1]
+
+
+def _logits_of(lm, seed: int):
+    """`(tokens, lm's logits on them)`: what other runs of the model must keep giving."""
+    tokens = torch.randint(1, 50, (2, 7), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return tokens, lm(tokens).logits
+
+
 def _metric(logits):
     return (logits[:, -1, ANSWER] - logits[:, -1, WRONG]).mean()
 
@@ -116,9 +130,7 @@ def test_a_mixture_of_experts_is_not_chunked_and_its_sweep_equals_hooked_forward
 
 
 def test_a_metric_of_every_position_keeps_every_query(acted):
-    lm = model("llama", layers=LAYERS)
-    clean, corrupted = pair(1)
-    _, clean_cache = run_with_patching_cache(lm, clean)
+    lm, corrupted, clean_cache = _prompts("llama")
 
     def every_position(logits):
         return logits[:, :, ANSWER].mean() - logits[:, -1, WRONG].mean()
@@ -134,12 +146,8 @@ def test_a_metric_of_every_position_keeps_every_query(acted):
 
 
 def test_other_threads_run_the_modules_own_forward_during_a_lean_pass(acted, monkeypatch):
-    lm = model("llama", layers=LAYERS)
-    clean, corrupted = pair(1)
-    _, clean_cache = run_with_patching_cache(lm, clean)
-    tokens = torch.randint(1, 50, (3, 9), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        expected = lm(tokens).logits
+    lm, corrupted, clean_cache = _prompts("llama")
+    tokens, expected = _logits_of(lm, 3)
     seen = []
     chunked = _hf_lean._chunked
 
@@ -207,9 +215,7 @@ def test_a_module_is_overridden_once_at_a_time_on_a_thread_and_put_back():
 
 
 def test_a_hook_of_the_users_anywhere_turns_every_replacement_off(acted):
-    lm = model("llama", layers=LAYERS)
-    clean, corrupted = pair(1)
-    _, clean_cache = run_with_patching_cache(lm, clean)
+    lm, corrupted, clean_cache = _prompts("llama")
     seen = []
     handle = lm.model.layers[1].mlp.down_proj.register_forward_hook(
         lambda module, args, output: seen.append(output.shape)
@@ -229,12 +235,8 @@ def test_a_hook_of_the_users_anywhere_turns_every_replacement_off(acted):
 
 
 def test_a_sweep_interrupted_inside_a_replacement_puts_every_module_back(monkeypatch):
-    lm = model("qwen2", layers=LAYERS)
-    clean, corrupted = pair(1)
-    _, clean_cache = run_with_patching_cache(lm, clean)
-    tokens = torch.randint(1, 50, (2, 7), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        before = lm(tokens).logits
+    lm, corrupted, clean_cache = _prompts("qwen2")
+    tokens, before = _logits_of(lm, 4)
     calls = []
     last_position = _hf_lean._last_position
 
