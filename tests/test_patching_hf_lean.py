@@ -254,3 +254,25 @@ def test_a_sweep_interrupted_inside_a_replacement_puts_every_module_back(monkeyp
     assert_left_as_found(lm)
     with torch.no_grad():
         assert torch.equal(lm(tokens).logits, before)
+
+
+def test_a_projection_shared_with_another_layer_is_not_trimmed(acted):
+    torch.manual_seed(0)
+    lm = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            **SIZES, num_hidden_layers=LAYERS, **SPECIAL, num_key_value_heads=2
+        )
+    ).eval()
+    for layer in lm.model.layers[:-1]:  # one query projection for every layer
+        layer.self_attn.q_proj = lm.model.layers[-1].self_attn.q_proj
+    clean, corrupted = pair(1)
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    got = safelens.get_act_patch_attn_head_v_by_pos(
+        lm, corrupted, clean_cache, last_only(1), progress=False
+    )
+    assert acted["last", "lean"] == 0 and acted["shared", "lean"] > 0
+    indices = [(layer, pos, 0) for layer in range(LAYERS) for pos in (2, 3, 8)]
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr("test_patching_hf.metric", _metric)
+        expected = reference(lm, "v", indices, clean, corrupted, torch.ones_like(clean))
+    assert (got[tuple(torch.tensor(indices).T)] - expected).abs().max() <= TOL

@@ -135,8 +135,9 @@ class Lean:
         self.last: list[torch.nn.Module] = [
             module for module in last if isinstance(module, torch.nn.Linear)
         ]
-        if len(self.last) < len(last):
-            self.last = []
+        elsewhere = {id(module) for layer in self.layers[:-1] for module in layer.modules()}
+        if len(self.last) < len(last) or any(id(module) in elsewhere for module in self.last):
+            self.last = []  # not plain linear maps, or shared with another layer
 
     def replacements(self, first: int, runs: int, trim: bool) -> dict[torch.nn.Module, Replacement]:
         """The replacements of a pass from layer `first` with `runs` runs (`trim`: last position)."""
