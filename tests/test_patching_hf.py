@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 import torch
+import transformers
 from bridge_models import bridge
 from hf_models import ids, model
 from transformer_lens import patching
@@ -173,7 +174,9 @@ def test_bridge_sweep_batches_patches_and_leaves_no_hooks(monkeypatch):
 
 
 def _layers(lm):
-    return lm.transformer.h if hasattr(lm, "transformer") else lm.model.layers
+    if hasattr(lm, "transformer"):
+        return lm.transformer.h
+    return lm.model.decoder.layers if hasattr(lm.model, "decoder") else lm.model.layers  # OPT
 
 
 def _d_head(lm) -> int:
@@ -376,3 +379,37 @@ def test_a_sweep_interrupted_inside_a_patched_pass_leaves_no_hooks_behind():
         handle.remove()
     assert len(calls) == 2
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in lm.modules())
+
+
+def test_a_family_without_an_mlp_module_gets_every_other_sweep(monkeypatch):
+    """OPT computes its MLP in the decoder layer itself: no `mlp_out`, the rest as usual."""
+    config = transformers.OPTConfig(
+        hidden_size=32,
+        ffn_dim=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        word_embed_proj_dim=32,
+        max_position_embeddings=64,
+        vocab_size=50,
+        bos_token_id=0,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(0)
+    lm = transformers.OPTForCausalLM(config).eval()
+    clean, corrupted = ids(2, 7, seed=3), ids(2, 7, seed=4)
+    mask = torch.ones_like(clean)
+    logits, clean_cache = run_with_patching_cache(lm, clean)
+    assert torch.allclose(logits, lm(clean).logits, atol=1e-5)
+    assert not any("mlp_out" in name for name in clean_cache)
+    for name, activation, indices in HF_SWEEPS:
+        sweep = getattr(safelens, name)
+        if activation == "mlp_out":
+            with pytest.raises(PatchingError, match="no mlp module"):
+                sweep(lm, corrupted, clean_cache, metric, progress=False)
+            continue
+        got = sweep(lm, corrupted, clean_cache, metric, progress=False)
+        if "all_pos" in name:
+            continue  # every position of a head: the by-position sweeps cover the site
+        expected = reference(lm, activation, indices, clean, corrupted, mask)
+        assert (got[tuple(torch.tensor(indices).T)] - expected).abs().max() <= TOL, name

@@ -167,6 +167,7 @@ def site_of(backend: Backend, activation: str, clean_cache: Any = None) -> Site:
             return Site(activation, tl_name, tl_name, 2, 1, heads)
         return Site(activation, tl_name, tl_name, 1, 2, heads)
     if activation in _MODULES:
+        _module_name(backend, activation, 0)  # a family without the module: say so first
         return Site(
             activation, lambda layer: _module_name(backend, activation, layer), tl_name, 1, 2, 0
         )
@@ -313,7 +314,10 @@ def run_with_patching_cache(
     sweeps patch on such a model: `blocks.{l}.hook_resid_pre`, `blocks.{l}.hook_attn_out`
     and `blocks.{l}.hook_mlp_out` `[batch, pos, d_model]`, and the cache's
     `model.layers.{l}.kv_cache.hook_k_new` / `hook_v_new` `[batch, n_kv_heads, pos,
-    d_head]` (keys after the rotary embedding). Positions and padding as the sweeps
+    d_head]` (keys after the rotary embedding). A family whose decoder layer has no
+    attention module named `self_attn` or `attn`, or no `mlp` module (OPT computes its
+    MLP in the layer itself), has no `hook_attn_out` or `hook_mlp_out` entries; the
+    sweeps of those sites refuse it. Positions and padding as the sweeps
     use them: the attention mask from the model's tokenizer (`model.tokenizer`, left
     padding) when it has one, else every position.
 
@@ -356,9 +360,14 @@ def run_with_patching_cache(
 
     pairs: list[tuple[NamesFilter, Callable[..., None]]] = []
     for activation in ("k", "v", "attn_out", "mlp_out"):
-        site = site_of(backend, activation)
-        for layer in range(backend.n_layers):
-            pairs.append((str(site.hook(layer)), keep(site.clean(layer))))
+        try:
+            site = site_of(backend, activation)
+            hooks = [str(site.hook(layer)) for layer in range(backend.n_layers)]
+        except PatchingError:  # a family without such a module (OPT's MLP is the layer's)
+            if activation in ("k", "v"):
+                raise
+            continue  # its sweep says so when asked for
+        pairs += [(hook, keep(site.clean(layer))) for layer, hook in enumerate(hooks)]
     inputs = {layer: keep(f"blocks.{layer}.hook_resid_pre") for layer in range(backend.n_layers)}
     cache = backend.empty_cache(tokens.shape[0])
     with torch.no_grad(), residual_input(backend, inputs), backend.pass_hooks(cache, pairs):
