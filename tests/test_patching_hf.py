@@ -25,6 +25,7 @@ from transformer_lens import patching
 import safelens
 from safelens import PatchingError, run_with_patching_cache
 from safelens.patching import _hf_sweeps
+from safelens.patching._hf_sites import ATTENTION_MODULES
 
 TOL = 1e-4
 ANSWER, WRONG = 3, 5
@@ -174,6 +175,8 @@ def test_bridge_sweep_batches_patches_and_leaves_no_hooks(monkeypatch):
 
 
 def _layers(lm):
+    if hasattr(lm, "gpt_neox"):
+        return lm.gpt_neox.layers
     if hasattr(lm, "transformer"):
         return lm.transformer.h
     return lm.model.decoder.layers if hasattr(lm.model, "decoder") else lm.model.layers  # OPT
@@ -207,7 +210,7 @@ def _site(lm, activation: str, layer: int):
         return module, False, _d_head(lm), offset
     if activation == "resid_pre":
         return block, True, 0, 0
-    child = {"attn_out": ("self_attn", "attn"), "mlp_out": ("mlp",)}[activation]
+    child = {"attn_out": ATTENTION_MODULES, "mlp_out": ("mlp",)}[activation]
     return next(getattr(block, c) for c in child if hasattr(block, c)), False, 0, 0
 
 
@@ -252,7 +255,11 @@ def reference(lm, activation, indices, clean, corrupted, mask):
     hooks = []
     for layer in range(n_layers):
         module, pre, _, _ = _site(lm, activation, layer)
-        hooks.append((module, pre, lambda t, layer=layer: captured.setdefault(layer, t.clone())))
+        # A copy kept, the tensor itself handed on: Falcon adds attention to its MLP's
+        # output in place, which would change a copy handed on as the output.
+        hooks.append(
+            (module, pre, lambda t, layer=layer: (captured.setdefault(layer, t.clone()), t)[1])
+        )
     _forward(lm, clean, mask, hooks)
     values = []
     for index in indices:
@@ -413,3 +420,30 @@ def test_a_family_without_an_mlp_module_gets_every_other_sweep(monkeypatch):
             continue  # every position of a head: the by-position sweeps cover the site
         expected = reference(lm, activation, indices, clean, corrupted, mask)
         assert (got[tuple(torch.tensor(indices).T)] - expected).abs().max() <= TOL, name
+
+
+OTHER_ATTENTION = {
+    "gpt_neox": transformers.GPTNeoXConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+    ),
+    "falcon": transformers.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4),
+}
+
+
+@pytest.mark.parametrize("name", OTHER_ATTENTION)
+def test_families_that_name_their_attention_otherwise_get_the_module_sweeps(name):
+    """GPT-NeoX's `attention` and Falcon's `self_attention`: their output is `attn_out`."""
+    config = OTHER_ATTENTION[name]
+    config.update(dict(vocab_size=50, bos_token_id=0, eos_token_id=None, pad_token_id=None))
+    torch.manual_seed(0)
+    lm = transformers.AutoModelForCausalLM.from_config(config).eval()
+    clean, corrupted = ids(2, 7, seed=3), ids(2, 7, seed=4)
+    mask = torch.ones_like(clean)
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    for sweep_name, activation, indices in HF_SWEEPS:
+        if activation not in ("resid_pre", "attn_out", "mlp_out"):
+            continue  # keys and values: their joint projection has no reference hook here
+        got = getattr(safelens, sweep_name)(lm, corrupted, clean_cache, metric, progress=False)
+        expected = reference(lm, activation, indices, clean, corrupted, mask)
+        assert (got[tuple(torch.tensor(indices).T)] - expected).abs().max() <= TOL, sweep_name
+        assert (got - got.flatten()[0]).abs().max() > 1e-6, sweep_name

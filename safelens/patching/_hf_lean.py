@@ -38,14 +38,13 @@ import torch
 from transformers.pytorch_utils import Conv1D
 
 from ..backends.hf._override import Replacement
+from ._hf_sites import ATTENTION_MODULES
 
 __all__ = ["Lean"]
 
 # Positions per chunk of an MLP's input on a CPU: a chunk's intermediate activations
 # (`_CHUNK_TOKENS * intermediate_size` values) then fit a core's cache on common models.
 _CHUNK_TOKENS = 256
-# The attention module of a HuggingFace decoder layer, by the names families give it.
-_ATTENTION = ("self_attn", "attn")
 # The parts an MLP that maps each position on its own is built of (GPT-2's `Conv1D` is
 # a linear map too), and the modules that define activation functions.
 _POSITION_WISE = (torch.nn.Linear, torch.nn.Dropout, torch.nn.Identity, Conv1D)
@@ -53,7 +52,7 @@ _ACTIVATIONS = ("torch.nn.modules.activation", "transformers.activations")
 
 
 def _attention(layer: torch.nn.Module) -> torch.nn.Module | None:
-    for name in _ATTENTION:
+    for name in ATTENTION_MODULES:
         module = getattr(layer, name, None)
         if isinstance(module, torch.nn.Module):
             return module

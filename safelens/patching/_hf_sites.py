@@ -48,6 +48,7 @@ from ..core._errors import PatchingError
 from ..core._tokens import check_tokens
 
 __all__ = [
+    "ATTENTION_MODULES",
     "TL_NAMES",
     "TL_NAMES_ON_HF",
     "Site",
@@ -71,7 +72,10 @@ TL_NAMES = {
 }
 # What a plain HuggingFace model can be patched at (the others need a bridge).
 TL_NAMES_ON_HF = frozenset({"resid_pre", "attn_out", "mlp_out", "k", "v"})
-_MODULES = {"attn_out": ("self_attn", "attn"), "mlp_out": ("mlp",)}
+# A decoder layer's attention module, by the names families give it (Llama and most:
+# `self_attn`; GPT-2, GPT-J: `attn`; Falcon, BLOOM: `self_attention`; GPT-NeoX: `attention`).
+ATTENTION_MODULES = ("self_attn", "attn", "self_attention", "attention")
+_MODULES = {"attn_out": ATTENTION_MODULES, "mlp_out": ("mlp",)}
 
 
 @dataclass(frozen=True)
