@@ -38,7 +38,7 @@ import torch
 from transformers.pytorch_utils import Conv1D
 
 from ..backends.hf._override import Replacement
-from ._hf_sites import ATTENTION_MODULES
+from ._hf_sites import ATTENTION_MODULES, child_named
 
 __all__ = ["Lean"]
 
@@ -52,11 +52,13 @@ _ACTIVATIONS = ("torch.nn.modules.activation", "transformers.activations")
 
 
 def _attention(layer: torch.nn.Module) -> torch.nn.Module | None:
-    for name in ATTENTION_MODULES:
-        module = getattr(layer, name, None)
-        if isinstance(module, torch.nn.Module):
-            return module
-    return None
+    name = child_named(layer, ATTENTION_MODULES)
+    return None if name is None else getattr(layer, name)
+
+
+def _only_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The one tensor a module was called with, or `None` (other arguments too)."""
+    return args[0] if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor) else None
 
 
 def _linear_children(module: torch.nn.Module | None) -> list[torch.nn.Linear]:
@@ -78,8 +80,8 @@ def _shared_rows(runs: int) -> Replacement:
     """A linear map of `runs` runs whose rows are equal: one run's rows, mapped and repeated."""
 
     def forward(own: Any, *args: Any, **kwargs: Any) -> Any:
-        x = args[0] if len(args) == 1 and not kwargs else None
-        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] % runs:
+        x = _only_tensor(args, kwargs)
+        if x is None or x.dim() < 2 or x.shape[0] % runs:
             return own(*args, **kwargs)
         rows = x.shape[0] // runs
         first = x[:rows]
@@ -92,8 +94,8 @@ def _shared_rows(runs: int) -> Replacement:
 
 def _last_position(own: Any, *args: Any, **kwargs: Any) -> Any:
     """A linear map of the last position alone (`[rows, positions, features]`), zeros elsewhere."""
-    x = args[0] if len(args) == 1 and not kwargs else None
-    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] < 2:
+    x = _only_tensor(args, kwargs)
+    if x is None or x.dim() != 3 or x.shape[1] < 2:
         return own(*args, **kwargs)
     last = own(x[:, -1:])
     out = last.new_zeros(*x.shape[:-1], last.shape[-1])
@@ -103,8 +105,8 @@ def _last_position(own: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _chunked(own: Any, *args: Any, **kwargs: Any) -> Any:
     """A position-wise module over chunks of its input's rows, `_CHUNK_TOKENS` positions each."""
-    x = args[0] if len(args) == 1 and not kwargs else None
-    if not isinstance(x, torch.Tensor) or x.dim() < 3:
+    x = _only_tensor(args, kwargs)
+    if x is None or x.dim() < 3:
         return own(*args, **kwargs)
     rows = max(1, _CHUNK_TOKENS // math.prod(x.shape[1:-1]))
     if x.shape[0] <= 2 * rows:

@@ -196,9 +196,15 @@ class Shortcuts:
         trim_mlp = activation in _BEFORE_MLP and isinstance(mlp, torch.nn.Module)
         # A plain HuggingFace model's own modules (not a bridge's, with hook points inside).
         lean = Lean(layers, backend.device) if partial and backend.family == "hf" else None
-        candidates = [(skips, trims, lean), (skips, trims, None), (skips, False, lean)]
-        candidates.append((skips, False, None))
-        for skip, trim, leaner in dict.fromkeys([*candidates, (False, trims, None)]):
+        # Most shortcuts first; the pass replacements need none of the others.
+        candidates = [
+            (skips, trims, lean),
+            (skips, trims, None),
+            (skips, False, lean),
+            (skips, False, None),
+            (False, trims, None),
+        ]
+        for skip, trim, leaner in dict.fromkeys(candidates):
             chosen = cls(
                 backend,
                 residuals,

@@ -52,6 +52,7 @@ __all__ = [
     "TL_NAMES",
     "TL_NAMES_ON_HF",
     "Site",
+    "child_named",
     "clean_activation",
     "put",
     "run_with_patching_cache",
@@ -114,11 +115,18 @@ def _decoder_layers(model: Any, n_layers: int) -> tuple[str, torch.nn.ModuleList
     )
 
 
+def child_named(layer: torch.nn.Module, names: tuple[str, ...]) -> str | None:
+    """The first of `names` that is a module of decoder layer `layer`, or `None`."""
+    return next(
+        (name for name in names if isinstance(getattr(layer, name, None), torch.nn.Module)), None
+    )
+
+
 def _module_name(backend: Backend, activation: str, layer: int) -> str:
     prefix, layers = _decoder_layers(backend.model, backend.n_layers)
-    for child in _MODULES[activation]:
-        if hasattr(layers[layer], child):
-            return f"{prefix}.{layer}.{child}"
+    child = child_named(layers[layer], _MODULES[activation])
+    if child is not None:
+        return f"{prefix}.{layer}.{child}"
     raise PatchingError(
         f"decoder layer {layer} of {type(backend.model).__name__} has no "
         f"{' or '.join(_MODULES[activation])} module to patch as {activation!r}"
@@ -319,9 +327,9 @@ def run_with_patching_cache(
     and `blocks.{l}.hook_mlp_out` `[batch, pos, d_model]`, and the cache's
     `model.layers.{l}.kv_cache.hook_k_new` / `hook_v_new` `[batch, n_kv_heads, pos,
     d_head]` (keys after the rotary embedding). A family whose decoder layer has no
-    attention module named `self_attn` or `attn`, or no `mlp` module (OPT computes its
-    MLP in the layer itself), has no `hook_attn_out` or `hook_mlp_out` entries; the
-    sweeps of those sites refuse it. Positions and padding as the sweeps
+    attention module (by one of the names of `ATTENTION_MODULES`) or no `mlp` module
+    (OPT computes its MLP in the layer itself) has no `hook_attn_out` or `hook_mlp_out`
+    entries; the sweeps of those sites refuse it. Positions and padding as the sweeps
     use them: the attention mask from the model's tokenizer (`model.tokenizer`, left
     padding) when it has one, else every position.
 
