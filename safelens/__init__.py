@@ -124,12 +124,14 @@ def _missing_library(name: str, error: ImportError) -> str | None:
     if "transformer_lens" in libraries:
         try:
             installed = f"TransformerLens {version('transformer-lens')} is installed"
+            install = "pip install 'transformer-lens>=3.9,<4'"
         except PackageNotFoundError:
             installed = "TransformerLens is not installed"
+            install = "pip install 'safelens[transformer-lens]' 'transformer-lens>=3.9,<4'"
         return (
             f"safelens.{name} needs TransformerLens' HookedTransformer, which TransformerLens "
-            f"4 removed ({installed}): pip install 'transformer-lens>=3.9,<4'. On "
-            "TransformerLens 4, run the experiments on a TransformerBridge"
+            f"4 removed ({installed}): {install}. On TransformerLens 4, run the experiments "
+            "on a TransformerBridge"
         )
     return None
 

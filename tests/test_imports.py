@@ -115,7 +115,8 @@ def test_without_transformer_lens_hooked_names_say_what_to_install(without_trans
     assert set(without_transformer_lens["star"]) == set(without_transformer_lens["loaded"])
     for name, message in missing.items():
         assert message.startswith(f"safelens.{name} needs TransformerLens' HookedTransformer")
-        assert "TransformerLens is not installed" in message and INSTALL in message
+        assert "TransformerLens is not installed" in message
+        assert "pip install 'safelens[transformer-lens]' 'transformer-lens>=3.9,<4'" in message
 
 
 def test_every_public_name_loads_or_names_what_to_install_here():
