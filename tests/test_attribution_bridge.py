@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 from bridge_models import _tokenizer, bridge
-from hf_models import CONFIGS, model
+from hf_models import CONFIGS
 from transformer_lens.model_bridge import TransformerBridge
 
 import safelens
@@ -163,13 +163,6 @@ def boot(hf_model) -> TransformerBridge:
         _tokenizer().save_pretrained(folder)
         booted = TransformerBridge.boot_transformers(folder, hf_model=hf_model, device="cpu")
     return booted.eval()
-
-
-def test_a_plain_huggingface_model_is_refused_naming_the_bridge():
-    lm = model("llama")
-    tokens = torch.randint(1, 50, (1, 5))
-    with pytest.raises(PatchingError, match="wrap it in a TransformerLens TransformerBridge"):
-        attribution_patch(lm, tokens, {}, linear_metric)
 
 
 def test_the_qk_fix_is_refused_where_scores_are_no_multiple_of_q_dot_k():
