@@ -6,7 +6,7 @@ temporary folder that holds only a tokenizer (a word-level one: token `i` is `"t
 download. Booting replaces the HF model's attention modules in place, so each bridge wraps
 an HF model of its own, never `hf_models.model(...)`; `reference` is an identical,
 independent HF model for comparisons. `bridge` caches each, so tests must leave its hooks
-as found.
+as found. Both are on `devices.DEVICE` (`SAFELENS_TEST_DEVICE`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import tempfile
 
 import torch
 import transformers
+from devices import DEVICE
 from hf_models import CONFIGS, VOCAB
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -26,7 +27,7 @@ FAMILIES = ("llama", "gpt2")
 
 def _hf_model(name: str, layers: int = 2) -> torch.nn.Module:
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(CONFIGS[name](layers)).eval()
+    return transformers.AutoModelForCausalLM.from_config(CONFIGS[name](layers)).to(DEVICE).eval()
 
 
 @functools.cache
@@ -50,7 +51,7 @@ def bridge(name: str = "llama", layers: int = 2) -> TransformerBridge:
     with tempfile.TemporaryDirectory() as folder:
         _tokenizer().save_pretrained(folder)
         booted = TransformerBridge.boot_transformers(
-            folder, hf_model=_hf_model(name, layers), device="cpu"
+            folder, hf_model=_hf_model(name, layers), device=DEVICE
         )
     booted.eval()
     return booted
