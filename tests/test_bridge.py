@@ -27,6 +27,7 @@ from safelens import (
     ablate_read,
     ablate_write,
     generate,
+    hf_cache_argument,
     prefill,
     run_with_cache_capture,
     run_with_hooks,
@@ -78,6 +79,46 @@ def test_the_trap_as_measured_a_cache_passed_plainly_is_ignored_after_the_rename
     name = "cache" if RENAMED else "past_key_values"
     model(tokens, **{name: cache}, use_cache=True)
     assert cache.get_seq_length() == (0 if RENAMED else 6)
+
+
+NO_ARGUMENT = (
+    r"takes a cache through no forward argument under transformers .*leaves the cache empty "
+    r".*safelens\.run_with_hooks\(bridge, tokens, cache=cache\)"
+)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_hf_cache_argument_of_a_bridge_names_an_argument_it_reads_or_refuses(name):
+    """Before the rename the answer works when passed to the bridge; after it, no name
+    does (the trap above), so the answer is an error naming run_with_hooks, which works."""
+    model, tokens = bridge(name), ids(2, 9)
+    full = model(tokens)
+    if RENAMED:
+        for target, what in [(model, "a TransformerBridge"), (model.original_model, "its atte")]:
+            with pytest.raises(CacheConfigError, match=f"{what}.*{NO_ARGUMENT}"):
+                hf_cache_argument(target)
+        cache = HFKeyValueCache(naming="bridge")
+        first = run_with_hooks(model, tokens[:, :5], cache=cache)
+        rest = run_with_hooks(model, tokens[:, 5:], cache=cache)
+    else:
+        argument = hf_cache_argument(model)
+        assert argument == hf_cache_argument(model.original_model) == "past_key_values"
+        cache = HFKeyValueCache(naming="bridge")
+        first = model(tokens[:, :5], **{argument: cache})
+        rest = model(tokens[:, 5:], **{argument: cache})
+    assert cache.get_seq_length() == 9
+    torch.testing.assert_close(torch.cat([first, rest], 1), full, **TOL)
+
+
+def test_the_model_inside_a_bridge_is_refused_where_its_attention_would_miss_the_cache():
+    """safelens' HF passes on `bridge.original_model` would leave the cache empty: refused."""
+    lm, tokens = bridge("llama").original_model, ids(1, 6)
+    if not RENAMED:  # its attention reads past_key_values: HF's numbers
+        prefix = prefill(lm, tokens[:, :4])
+        torch.testing.assert_close(prefix.last_logits, run(reference("llama"), tokens)[:, 3])
+        return
+    with pytest.raises(CacheConfigError, match=f"its attention modules are a .*{NO_ARGUMENT}"):
+        prefill(lm, tokens)
 
 
 def test_a_pass_that_misses_the_cache_is_refused_and_changes_nothing(monkeypatch):

@@ -13,6 +13,13 @@ function has TransformerLens' signature `fn(tensor, hook) -> tensor | None`.
   of a tuple output, and what it returns replaces that) and the cache's
   `model.layers.{l}.kv_cache.…` (see `safelens.backends.hf._run`); `attention_mask`
   covers cached plus new positions, as HuggingFace takes it.
+- TransformerBridge: the bridge's hook names and the cache's `blocks.{l}.kv_cache.…`
+  (`HFKeyValueCache(naming="bridge")`); masks as on HuggingFace models.
+
+It is also the one way to run a model of any family over a safelens cache without
+hooks (`fwd_hooks=()`): on a TransformerBridge under transformers >= 5.24 no forward
+argument reaches the bridge's attention (see
+[`hf_cache_argument`][safelens.hf_cache_argument]), and this pass hands it the cache.
 
 The pass is checked before it runs, and put back exactly as it was if it fails: the
 cache, and the hooks attached to the model and the cache.
@@ -62,11 +69,13 @@ def run_with_hooks(
 
     **Arguments:**
 
-    - `model`: a `HookedTransformer` or a HuggingFace causal LM; `input`: tokens
-      `[batch, new_tokens]` (or, on a `HookedTransformer`, what `model.forward` accepts).
+    - `model`: a `HookedTransformer`, a TransformerBridge or a HuggingFace causal LM;
+      `input`: tokens `[batch, new_tokens]` (or, on a `HookedTransformer`, what
+      `model.forward` accepts).
     - `cache`: the cache to read and append to: a
       [`KeyValueCache`][safelens.KeyValueCache] on a `HookedTransformer`, an
-      [`HFKeyValueCache`][safelens.HFKeyValueCache] on a HuggingFace model.
+      [`HFKeyValueCache`][safelens.HFKeyValueCache] on a HuggingFace model
+      (`naming="bridge"` on a TransformerBridge).
     - `fwd_hooks`: `[(names, fn), ...]`, `names` a hook name, list of names or predicate.
     - `attention_mask` … `shortformer_pos_embed`: passed to `model.forward` (a
       HuggingFace model takes `attention_mask` and `return_type` `"logits"` or `None`

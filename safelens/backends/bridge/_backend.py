@@ -35,7 +35,7 @@ import torch
 from .._backend import CacheLayout, FwdHooks, NamesFilter
 from ..hf._backend import HFBackend, HFCacheOps
 from ..hf._cache import HFKeyValueCache
-from ..hf._model import hf_cache_argument
+from ..hf._model import forward_cache_argument
 from ._cache_pass import cache_pass
 from ._hooks import bridge_hooks, select_cache_hooks, thread_bridge_hooks
 from ._plain import plain_model
@@ -66,7 +66,7 @@ class BridgeBackend(HFBackend):
         self.model = model
 
     def check_model(self, what: str) -> None:
-        hf_cache_argument(self.model.original_model)
+        forward_cache_argument(self.model.original_model)
 
     def to_tokens(self, text: str | list[str]) -> torch.Tensor:
         tokens: torch.Tensor = self.model.to_tokens(text, padding_side="left")

@@ -15,8 +15,9 @@ continuation attends to its own tokens only. Under 5.23 and earlier it is exact.
 [`cache_pass`][safelens.backends.bridge._cache_pass.cache_pass] makes one pass exact
 under every version:
 
-1. the cache is passed under the name the model's forward takes
-   ([`hf_cache_argument`][safelens.hf_cache_argument]), so no deprecation warning;
+1. the cache is passed under the name the HuggingFace model's forward takes (its
+   signature: `safelens.backends.hf._model.forward_cache_argument`), so no deprecation
+   warning;
 2. when that name is `cache`, each attention component of the bridge gets a forward
    pre-hook, for the pass only, that hands it the cache under `past_key_values` too;
 3. every layer must have called `cache.update` exactly once on the calling thread
@@ -44,7 +45,7 @@ from ...core._errors import CacheConfigError
 from ..hf._cache import HFKeyValueCache
 from ..hf._hooks import attached
 from ..hf._layer import hf_hook_name
-from ..hf._model import hf_cache_argument
+from ..hf._model import forward_cache_argument
 from ..hf._skip import skipped_layers
 
 __all__ = ["cache_pass", "attention_modules"]
@@ -149,7 +150,7 @@ def cache_pass(bridge: Any, cache: HFKeyValueCache) -> Iterator[dict[str, HFKeyV
     """
     n_layers = len(bridge.blocks)
     _check_layers(cache, n_layers)
-    name = hf_cache_argument(bridge.original_model)
+    name = forward_cache_argument(bridge.original_model)
     me, counts = threading.get_ident(), [0] * n_layers
 
     def counter(layer: int) -> Any:

@@ -34,7 +34,7 @@ from ...core._storage import Sequence
 from .._backend import Backend, CacheLayout, CacheOps, CacheShape, FwdHooks, NamesFilter
 from ._cache import HFKeyValueCache
 from ._layer import HFCacheLayer
-from ._model import hf_cache_argument
+from ._model import forward_cache_argument, hf_cache_argument
 from ._run import attach_hooks, module_hooks, run, select_cache_hooks
 from ._shared_attention import shared_prefix
 
@@ -219,7 +219,7 @@ class HFBackend(Backend):
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         # As `generate`: an all-ones mask is dropped (no padding), so attention is plain causal.
         mask = None if bool(attention_mask.all()) else attention_mask
-        kwargs = {hf_cache_argument(self.model): cache}
+        kwargs = {forward_cache_argument(self.model): cache}
         output = self.model(
             input_ids=tokens,
             attention_mask=mask,

@@ -1,8 +1,26 @@
 """What safelens needs to know of a HuggingFace model: the name of its cache argument.
 
-transformers 5.24 renamed the forward argument `past_key_values=` to `cache=`, and the
-old name now warns (TransformerBridge ignores a cache passed that way), so code that
-passes a cache asks [`hf_cache_argument`][safelens.hf_cache_argument] for the name.
+transformers 5.24 renamed the forward argument `past_key_values=` to `cache=` (the old
+name warns and is renamed), and decoder layers now hand the cache to their attention as
+`cache=`. [`hf_cache_argument`][safelens.hf_cache_argument] answers the name under which
+a model's forward takes a cache *that its attention then reads*, or refuses:
+
+- a HuggingFace causal LM: the name its forward takes (`cache` on transformers >= 5.24,
+  `past_key_values` before);
+- a TransformerLens `TransformerBridge`: its forward hands the cache on to its HuggingFace
+  model under the name it was given, and the bridge's attention components
+  (TransformerLens 3.9 and 4.3) read only `past_key_values`. So the answer is
+  `past_key_values` under transformers < 5.24; under 5.24 and later no argument reaches
+  them (`cache=` arrives under a name they do not read, `past_key_values=` is renamed on
+  the way), and `hf_cache_argument` raises, naming
+  [`run_with_hooks`][safelens.run_with_hooks], which hands the cache to the bridge's
+  attention itself (`safelens.backends.bridge._cache_pass`) and checks every layer read
+  it. The same holds for the HuggingFace model inside a bridge (`bridge.original_model`,
+  whose attention modules booting replaced with the bridge's components).
+
+Caveat: safelens' own passes ask `forward_cache_argument` (the forward's signature only,
+cached per class) on every pass; `hf_cache_argument` also walks the model's modules, once
+per call, when the answer would be `cache`.
 """
 
 from __future__ import annotations
@@ -13,10 +31,13 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
+import transformers
 
 from ...core._errors import CacheConfigError
 
-__all__ = ["hf_cache_argument"]
+__all__ = ["forward_cache_argument", "hf_cache_argument"]
+
+CacheArgument = Literal["cache", "past_key_values"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -26,25 +47,12 @@ def _parameters(function: Callable[..., Any]) -> tuple[str, ...]:
     return tuple(inspect.signature(function).parameters)[1:]
 
 
-def hf_cache_argument(model: torch.nn.Module) -> Literal["cache", "past_key_values"]:
-    """The name under which `model`'s forward (and so `generate`) takes a cache.
+def forward_cache_argument(model: torch.nn.Module) -> CacheArgument:
+    """The name of `model.forward`'s cache parameter, read from its signature alone.
 
-    transformers 5.24 renamed `past_key_values=` to `cache=` and warns on the old name.
-
-    **Raises:** [`CacheConfigError`][safelens.CacheConfigError] when the forward takes
-    neither.
-
-    ```python
-    >>> from transformers import LlamaConfig, LlamaForCausalLM
-    >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32,
-    ...     num_hidden_layers=1, num_attention_heads=2, vocab_size=10))
-    >>> import transformers
-    >>> from packaging.version import Version
-    >>> renamed = Version(transformers.__version__) >= Version("5.24")
-    >>> hf_cache_argument(model) == ("cache" if renamed else "past_key_values")
-    True
-
-    ```
+    What safelens' own passes use (a bridge's passes go through `cache_pass`, which hands
+    its attention the cache). **Raises:** [`CacheConfigError`][safelens.CacheConfigError]
+    when the forward takes neither `cache` nor `past_key_values`.
     """
     forward = model.forward
     function = getattr(forward, "__func__", None)  # a method: its signature, once
@@ -62,3 +70,62 @@ def hf_cache_argument(model: torch.nn.Module) -> Literal["cache", "past_key_valu
         f"(its parameters: {', '.join(parameters)}); HFKeyValueCache needs a model whose "
         "attention calls cache.update"
     )
+
+
+def _of_transformer_lens(module: torch.nn.Module, name: str) -> bool:
+    """Whether `module`'s class is (or derives from) TransformerLens' class `name`."""
+    return any(
+        cls.__name__ == name and cls.__module__.startswith("transformer_lens.")
+        for cls in type(module).__mro__
+    )
+
+
+def hf_cache_argument(model: torch.nn.Module) -> CacheArgument:
+    """The name under which `model`'s forward (and so `generate`) takes a cache its attention reads.
+
+    `cache` on transformers >= 5.24 (which renamed `past_key_values=` and warns on the old
+    name), else `past_key_values`. A TransformerBridge (or its `original_model`) takes a
+    cache as `past_key_values` under transformers < 5.24 and through no argument from
+    5.24 on (see the module notes): there, pass caches through
+    [`run_with_hooks`][safelens.run_with_hooks] (and `prefill`, `score_continuations`,
+    `generate`), the one way that runs every model family over a safelens cache.
+
+    **Raises:** [`CacheConfigError`][safelens.CacheConfigError] when the forward takes
+    neither name, or when the cache would reach no attention module through it (a
+    TransformerBridge under transformers >= 5.24), naming `run_with_hooks`.
+
+    ```python
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32,
+    ...     num_hidden_layers=1, num_attention_heads=2, vocab_size=10))
+    >>> import transformers
+    >>> from packaging.version import Version
+    >>> renamed = Version(transformers.__version__) >= Version("5.24")
+    >>> hf_cache_argument(model) == ("cache" if renamed else "past_key_values")
+    True
+
+    ```
+    """
+    bridge = _of_transformer_lens(model, "TransformerBridge")
+    # A bridge hands the cache on to its HuggingFace model under the name it was given.
+    hf_model: Any = model.original_model if bridge else model
+    name = forward_cache_argument(hf_model)
+    if name == "cache" and any(
+        _of_transformer_lens(module, "AttentionBridge") for module in hf_model.modules()
+    ):
+        what = (
+            "a TransformerBridge"
+            if bridge
+            else f"{type(model).__name__} (its attention modules are a TransformerBridge's)"
+        )
+        raise CacheConfigError(
+            f"{what} takes a cache through no forward argument under transformers "
+            f"{transformers.__version__}: the model hands the cache to attention as cache=, "
+            "and the bridge's attention components read only past_key_values, so "
+            "bridge(tokens, cache=cache) (or past_key_values=cache) leaves the cache empty "
+            "and returns logits that ignore it, with no error. Run passes over a cache "
+            "with safelens.run_with_hooks(bridge, tokens, cache=cache), which hands the "
+            "cache to the bridge's attention and checks that every layer read it (for "
+            "prefixes: prefill, score_continuations, generate)"
+        )
+    return name
