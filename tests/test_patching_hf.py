@@ -327,13 +327,16 @@ def test_hf_clean_cache_holds_what_the_sweeps_patch():
 # -- bad input ----------------------------------------------------------------------------
 
 
-def test_hf_sweeps_refuse_what_a_plain_model_has_no_hook_for():
-    lm = model("llama")
+def test_hf_sweeps_refuse_resid_mid_where_attention_and_mlp_run_in_parallel():
+    """GPT-NeoX (parallel residual) has no residual stream between attention and MLP."""
+    config = OTHER_ATTENTION["gpt_neox"]
+    config.update(dict(vocab_size=50, bos_token_id=0, eos_token_id=None, pad_token_id=None))
+    lm = transformers.AutoModelForCausalLM.from_config(config).eval()
     clean, corrupted = prompts(1, False)
     _, clean_cache = run_with_patching_cache(lm, clean)
-    for sweep in ("get_act_patch_attn_head_q_by_pos", "get_act_patch_resid_mid"):
-        with pytest.raises(PatchingError, match="no hook point on a plain HuggingFace model"):
-            getattr(safelens, sweep)(lm, corrupted, clean_cache, batched(1), progress=False)
+    assert "blocks.0.hook_resid_mid" not in clean_cache
+    with pytest.raises(PatchingError, match=r"in parallel .*use_parallel_residual=True"):
+        safelens.get_act_patch_resid_mid(lm, corrupted, clean_cache, batched(1), progress=False)
 
 
 def test_sweeps_name_a_clean_cache_that_does_not_fit():

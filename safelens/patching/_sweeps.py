@@ -48,7 +48,7 @@ import pandas as pd
 import torch
 from jaxtyping import Int
 
-from ._hf_sites import TL_NAMES, TL_NAMES_ON_HF
+from ._hf_sites import TL_NAMES
 from ._hf_sweeps import is_seam_model, seam_patch
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
 from ._metric import Metric
@@ -345,18 +345,14 @@ def _sweep_function(
     heads = (
         " (`n_kv_heads` on grouped-query models)" if activation in ("k", "v") and with_head else ""
     )
-    seam = (
-        ""
-        if activation in TL_NAMES_ON_HF
-        else " (a bridge only: HuggingFace models have no such hook)"
-    )
     patch.__name__ = patch.__qualname__ = name
     patch.__doc__ = f"""Patch {what}: TransformerLens' `patching.{name}`, batched on the cache.
 
     Patches `blocks.{{layer}}.{TL_NAMES[activation]}` from `clean_cache`
     into the corrupted run at each [{axes}]{heads}. On a TransformerBridge or a
-    HuggingFace model{seam}, see `safelens.patching._hf_sites` for where it patches
-    (keys at the cache seam, after the rotary embedding: the same patch at one position).
+    HuggingFace model, see `safelens.patching._hf_sites` for where it patches (keys and
+    queries after the rotary embedding: the same patch at one position) and the docs'
+    "Patching sites" page for what each family holds there.
 
     **Arguments:**
 
