@@ -13,9 +13,11 @@ from .core._errors import (
     CacheShapeError,
     FrozenCacheError,
     HookError,
+    JobFolderError,
     PatchingError,
     SafelensError,
     TokenError,
+    WorkerError,
 )
 from .core._hook_point import CacheHookPoint
 from .core._values import concat_values, shape_of
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from .backends.hf._shared_attention import shared_prefix
     from .backends.hooked._hooks import add_hook, cache_hook_names, hooks, reset_hooks
     from .backends.hooked._shared_attention import shared_prefix_attention
+    from .distributed._workers import RayWorkers
     from .patching._attribution import AttributionResult, attribution_patch
     from .patching._dataset import PatchingResult, patch_dataset
     from .patching._every import (
@@ -73,6 +76,7 @@ _LAZY_MODULES = {
     ".backends.hf._shared_attention": ("shared_prefix",),
     ".backends.hooked._hooks": ("add_hook", "cache_hook_names", "hooks", "reset_hooks"),
     ".backends.hooked._shared_attention": ("shared_prefix_attention",),
+    ".distributed._workers": ("RayWorkers",),
     ".patching._attribution": ("AttributionResult", "attribution_patch"),
     ".patching._dataset": ("PatchingResult", "patch_dataset"),
     ".patching._hf_sites": ("run_with_patching_cache",),
@@ -224,6 +228,9 @@ __all__ = [
     "HookError",
     "FrozenCacheError",
     "TokenError",
+    "JobFolderError",
+    "WorkerError",
+    "RayWorkers",
 ]
 
 

@@ -149,14 +149,50 @@ def _pair_bytes(backend: Backend, length: int) -> int:
     return length * (backend.n_layers * width + backend.d_vocab) * itemsize
 
 
-def _tokens(backend: Backend, value: Any, name: str) -> torch.Tensor:
-    tokens = check_tokens(value, token_limits(backend), name)
+def pairs_per_chunk(backend: Backend, pairs: int, length: int, max_bytes: int) -> int:
+    """How many pairs of `length` tokens one chunk takes within `max_bytes`."""
+    return max(1, min(pairs, max_bytes // _pair_bytes(backend, length)))
+
+
+def check_options(
+    n_bootstrap: Any, confidence: Any, seed: Any, max_bytes: Any, progress: Any
+) -> None:
+    """`patch_dataset`'s options checked, or a `PatchingError` naming the one that is wrong."""
+    positive_int(n_bootstrap, "n_bootstrap", error=PatchingError)
+    positive_int(max_bytes, "max_bytes", error=PatchingError)
+    flag(progress, "progress", error=PatchingError)
+    if not is_int(seed) or seed < 0:
+        raise PatchingError(f"seed must be a non-negative int, got {described(seed)}")
+    if isinstance(confidence, bool) or not isinstance(confidence, float | int):
+        raise PatchingError(f"confidence must be a float in (0, 1), got {confidence!r}")
+    if not 0 < confidence < 1:
+        raise PatchingError(f"confidence must be in (0, 1) (e.g. 0.95), got {confidence!r}")
+
+
+def _tokens(limits: Any, value: Any, name: str) -> torch.Tensor:
+    tokens = check_tokens(value, limits, name)
     if tokens.dim() != 2 or tokens.shape[0] == 0:
         raise PatchingError(
             f"{name} must be token ids [pairs, pos] with at least one pair, got shape "
             f"{tuple(tokens.shape)}"
         )
-    return tokens.to(backend.device)
+    return tokens
+
+
+def pair_tokens(
+    limits: Any, clean_tokens: Any, corrupted_tokens: Any
+) -> tuple[Int[torch.Tensor, "pairs pos"], Int[torch.Tensor, "pairs pos"]]:
+    """Clean and corrupted token ids checked against `limits` (`d_vocab`, `n_ctx`) and
+    against each other; a `TokenError` or `PatchingError` otherwise."""
+    clean = _tokens(limits, clean_tokens, "clean_tokens")
+    corrupted = _tokens(limits, corrupted_tokens, "corrupted_tokens")
+    if clean.shape != corrupted.shape:
+        raise PatchingError(
+            f"clean_tokens {tuple(clean.shape)} and corrupted_tokens "
+            f"{tuple(corrupted.shape)} must have one shape [pairs, pos]: pair i is row i of "
+            "each"
+        )
+    return clean, corrupted
 
 
 def patch_dataset(
@@ -223,26 +259,12 @@ def patch_dataset(
 
     ```
     """
-    positive_int(n_bootstrap, "n_bootstrap", error=PatchingError)
-    positive_int(max_bytes, "max_bytes", error=PatchingError)
-    flag(progress, "progress", error=PatchingError)
-    if not is_int(seed) or seed < 0:
-        raise PatchingError(f"seed must be a non-negative int, got {described(seed)}")
-    if isinstance(confidence, bool) or not isinstance(confidence, float | int):
-        raise PatchingError(f"confidence must be a float in (0, 1), got {confidence!r}")
-    if not 0 < confidence < 1:
-        raise PatchingError(f"confidence must be in (0, 1) (e.g. 0.95), got {confidence!r}")
+    check_options(n_bootstrap, confidence, seed, max_bytes, progress)
     backend = _backend(model)
-    clean = _tokens(backend, clean_tokens, "clean_tokens")
-    corrupted = _tokens(backend, corrupted_tokens, "corrupted_tokens")
-    if clean.shape != corrupted.shape:
-        raise PatchingError(
-            f"clean_tokens {tuple(clean.shape)} and corrupted_tokens "
-            f"{tuple(corrupted.shape)} must have one shape [pairs, pos]: pair i is row i of "
-            "each"
-        )
+    clean, corrupted = pair_tokens(token_limits(backend), clean_tokens, corrupted_tokens)
+    clean, corrupted = clean.to(backend.device), corrupted.to(backend.device)
     pairs, length = clean.shape
-    chunk = max(1, min(pairs, max_bytes // _pair_bytes(backend, length)))
+    chunk = pairs_per_chunk(backend, pairs, length, max_bytes)
     per_chunk: list[torch.Tensor] = []
     with tqdm(total=pairs, disable=not progress, desc="pairs") as bar:
         for start in range(0, pairs, chunk):
