@@ -392,9 +392,12 @@ def attribution_patch(
     estimates: dict[str, torch.Tensor] = {}
     exact: dict[str, torch.Tensor] = {}
     for name in chosen:
+        # Each layer's estimate is computed on its layer's device, gathered on the metric's.
         grid = torch.stack(
             [
-                _estimate(backend, layer, name, qk_fix, acts, grads, clean_cache)
+                _estimate(backend, layer, name, qk_fix, acts, grads, clean_cache).to(
+                    baseline.device
+                )
                 for layer in range(backend.n_layers)
             ]
         )
