@@ -327,9 +327,11 @@ def _sources(
             if weights is None:
                 sources[layer, target] = picked[0]
                 continue
-            rows = torch.cat([p.to(weights.device, torch.float32) for p in picked])
-            mean = (rows * weights[:, :, None, None]).sum(0, keepdim=True)
-            sources[layer, target] = mean / weights.sum(0)[None, :, None, None]
+            # On the layer's own device: a model split over devices keeps each layer apart.
+            here = weights.to(picked[0].device)
+            rows = torch.cat([p.to(here.device, torch.float32) for p in picked])
+            mean = (rows * here[:, :, None, None]).sum(0, keepdim=True)
+            sources[layer, target] = mean / here.sum(0)[None, :, None, None]
     return sources
 
 

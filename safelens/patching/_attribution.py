@@ -235,9 +235,10 @@ def effects(
 ) -> dict[str, Float[torch.Tensor, "batch layer ..."]]:
     """Per activation, the estimated change of the metric, per row and cell (float64)."""
     return {
+        # Each layer's effects are computed on its layer's device, gathered on the metric's.
         name: torch.stack(
             [
-                _layer_effects(plan, name, layer, reads, clean_cache)
+                _layer_effects(plan, name, layer, reads, clean_cache).to(reads.value.device)
                 for layer in range(plan.backend.n_layers)
             ],
             dim=1,

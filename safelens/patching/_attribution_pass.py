@@ -30,9 +30,10 @@ from typing import Any
 import torch
 
 from ..backends._backend import Backend
+from ..backends.hf._seams import input_edits
 from ..core._errors import PatchingError
 from ..core._thread_hooks import thread_hooks
-from ._hf_sites import TL_NAMES, Site, residual_input, site_of
+from ._hf_sites import TL_NAMES, Site, decoder_layer, site_of
 
 __all__ = ["Read", "Reads", "corrupted_pass", "qk_reads", "site_for"]
 
@@ -200,7 +201,8 @@ def _layer_inputs(backend: Backend, keep: dict[int, Callable[..., torch.Tensor]]
         leaf = _leaf(hidden)
         return keep[0](leaf) if 0 in keep else leaf
 
-    with residual_input(backend, {**keep, 0: first}):
+    edits = {**keep, 0: first}
+    with input_edits({decoder_layer(backend, layer): edit for layer, edit in edits.items()}):
         yield
 
 

@@ -137,6 +137,25 @@ def _decoder_layers(model: Any, n_layers: int) -> tuple[str, torch.nn.ModuleList
     )
 
 
+def decoder_layer(backend: Backend, layer: int) -> torch.nn.Module:
+    """Decoder layer `layer` of a HuggingFace causal LM (or a bridge's plain model)."""
+    return _decoder_layers(backend.model, backend.n_layers)[1][layer]
+
+
+def layer_device(backend: Backend, layer: int) -> torch.device:
+    """The device decoder layer `layer` computes on: its parameters', or accelerate's.
+
+    A model dispatched with a `device_map` (accelerate) runs each layer on its hook's
+    `execution_device`, also when its weights are offloaded (on `meta` until used).
+    """
+    module = decoder_layer(backend, layer)
+    execution = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if execution is not None:
+        return torch.device(execution)
+    weight = next(module.parameters(), None)
+    return backend.device if weight is None else weight.device
+
+
 def _module_name(backend: Backend, activation: str, layer: int) -> str:
     prefix, layers = _decoder_layers(backend.model, backend.n_layers)
     child = child_named(layers[layer], _MODULES[activation])
@@ -314,7 +333,7 @@ def clean_activation(
             f"1, {', '.join(map(str, expected))}] to match corrupted_tokens {(batch, length)}. "
             "Clean and corrupted prompts must have the same length"
         )
-    return clean.to(backend.device).expand(batch, *expected)
+    return clean.to(layer_device(backend, layer)).expand(batch, *expected)
 
 
 def put(
@@ -324,7 +343,11 @@ def put(
     index: tuple[torch.Tensor, ...],
     start: int,
 ) -> torch.Tensor:
-    """Write the clean values at `index` = (rows, clean rows, pos, head, source pos) into `tensor` (positions `start:`)."""
+    """Write the clean values at `index` = (rows, clean rows, pos, head, source pos) into `tensor` (positions `start:`).
+
+    `clean` is on its layer's device; `tensor` too, except a layer's input, which a
+    `device_map` model hands on from the previous layer's device (accelerate moves it).
+    """
     rows, clean_rows, pos, head, src = index
     target: list[Any] = [slice(None)] * tensor.dim()
     source: list[Any] = [slice(None)] * clean.dim()
@@ -339,8 +362,14 @@ def put(
         target[site.pos_axis + 1], source[site.pos_axis + 1] = src, src
     # In place, as TransformerLens' setters: a bridge alias such as `hook_resid_mid`
     # (`ln2.hook_in`) ignores what its hook returns. Cast, as their slice assignment does.
-    tensor[tuple(target)] = clean[tuple(source)].to(tensor.dtype)
+    values = clean[_on(source, clean.device)].to(tensor.device, tensor.dtype)
+    tensor[_on(target, tensor.device)] = values
     return tensor
+
+
+def _on(index: list[Any], device: torch.device) -> tuple[Any, ...]:
+    """`index` with its tensors on `device` (no copy when they are there already)."""
+    return tuple(part.to(device) if isinstance(part, torch.Tensor) else part for part in index)
 
 
 def run_with_patching_cache(

@@ -80,9 +80,10 @@ AxisName = Literal["layer", "pos", "head_index", "head", "src_pos", "dest_pos"]
 PatchSetter = Callable[[torch.Tensor, Sequence[int], torch.Tensor], torch.Tensor]
 
 
-def _row_index(sweep: _Sweep, runs: list[Run], rows: list[int]) -> tuple[torch.Tensor, ...]:
-    """Batch rows, clean-batch rows and per-run index columns, one entry per patched row."""
-    device = sweep.model.cfg.device
+def _row_index(
+    sweep: _Sweep, runs: list[Run], rows: list[int], device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """Batch rows, clean-batch rows and per-run index columns on `device` (the patched tensor's)."""
     batch = torch.arange(sweep.batch, device=device)
     starts = torch.tensor(rows, device=device)
     row = (starts[:, None] + batch).reshape(-1)
@@ -94,7 +95,7 @@ def _by_pos_patcher(sweep: _Sweep, with_head: bool) -> Callable[..., None]:
     def patch(
         tensor: torch.Tensor, runs: list[Run], rows: list[int], batch: int, start: int
     ) -> None:
-        row, clean_row, layer, pos, *head = _row_index(sweep, runs, rows)
+        row, clean_row, layer, pos, *head = _row_index(sweep, runs, rows, tensor.device)
         clean = sweep.clean[runs[0].layer]
         if with_head:
             tensor[row, pos - start, head[0]] = clean[clean_row, pos, head[0]]
@@ -108,7 +109,7 @@ def _all_pos_patcher(sweep: _Sweep) -> Callable[..., None]:
     def patch(
         tensor: torch.Tensor, runs: list[Run], rows: list[int], batch: int, start: int
     ) -> None:
-        row, clean_row, layer, head = _row_index(sweep, runs, rows)
+        row, clean_row, layer, head = _row_index(sweep, runs, rows, tensor.device)
         tensor[row, :, head] = sweep.clean[runs[0].layer][clean_row, start:, head]
 
     return patch
