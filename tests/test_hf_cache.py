@@ -693,3 +693,41 @@ def test_threads_running_forks_of_one_frozen_prefix_give_the_serial_results():
     for ours, reference in zip(threaded, serial, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(ours, reference, strict=True))
     assert_state(prefix, before)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_torch_export_runs_as_with_dynamic_cache(frozen):
+    """`torch.export` flattens the cache to its keys and values, as `DynamicCache`."""
+    from transformers.integrations.executorch import register_dynamic_cache_export_support
+
+    register_dynamic_cache_export_support()
+    lm, tokens = model("llama"), ids(1, 8)
+    arg, new, mask = hf_cache_argument(lm), tokens[:, 5:], torch.ones_like(tokens)
+
+    def filled(cls):
+        cache = cls(config=lm.config)
+        run(lm, tokens[:, :5], cache)
+        return cache
+
+    def export(cache):
+        inputs = {"input_ids": new, "attention_mask": mask, arg: cache, "use_cache": True}
+        return torch.export.export(lm, (), inputs, strict=False).module()
+
+    ours, theirs = filled(HFKeyValueCache), filled(DynamicCache)
+    ours.frozen = frozen
+    before = state(ours)
+    exported, reference = export(ours), export(theirs)
+    assert_state(ours, before)
+    given = filled(HFKeyValueCache)
+    given.frozen = frozen
+    output = exported(input_ids=new, attention_mask=mask, **{arg: given}, use_cache=True)
+    expected = reference(
+        input_ids=new, attention_mask=mask, **{arg: filled(DynamicCache)}, use_cache=True
+    )
+    assert torch.equal(output.logits, expected.logits)
+    result = output.past_key_values
+    assert isinstance(result, HFKeyValueCache) and bool(result.frozen) == frozen
+    assert result.get_seq_length() == (5 if frozen else 8)
+    if not frozen:
+        for mine, hf in zip(result.layers, expected.past_key_values.layers, strict=True):
+            assert torch.equal(mine.keys, hf.keys) and torch.equal(mine.values, hf.values)

@@ -42,6 +42,7 @@ from ._frozen_pass import FrozenPasses
 from ._hooks import FwdHooks, attached, resolve, resolve_hooks
 from ._layer import HOOK_POINTS, HFCacheLayer, HookNaming, check_naming
 from ._persistence import check_layers_fit, load_layers, save_layers, text_config
+from ._pytree import register_cache_pytree
 from ._transformers_cache import TransformersCache
 
 __all__ = ["HFKeyValueCache"]
@@ -461,3 +462,6 @@ class HFKeyValueCache(TransformersCache):
             f"HFKeyValueCache(layers={len(self.layers)}, batch={self.batch_size}, "
             f"sequence_length={self.get_seq_length()}, frozen={self._frozen})"
         )
+
+
+register_cache_pytree(HFKeyValueCache)

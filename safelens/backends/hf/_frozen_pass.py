@@ -21,7 +21,8 @@ second step on, attention misses the earlier steps' keys. Two signals reach the 
 Caveat: a pass that passes no positions gets them from `cache.get_seq_length()`, so it
 always continues what the cache holds; a hand-written loop over a frozen cache then
 forgets each step, as TransformerLens' frozen cache does. On transformers < 5.24 explicit
-`position_ids` do not reach the cache: only `generate`'s mark does.
+`position_ids` do not reach the cache: only `generate`'s mark does. A traced pass
+(`torch.export`, `torch.compile`) is not checked: its positions are not numbers yet.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ class FrozenPasses:
         **Raises:** [`FrozenCacheError`][safelens.FrozenCacheError] naming both.
         """
         positions = _positions(args, kwargs)
-        if positions is None:
+        # Traced (torch.export, torch.compile), a position is no number to compare.
+        if positions is None or torch.compiler.is_compiling():
             return
         checked = self._checked
         if checked is not None and checked[0] is positions and checked[1] == held:
