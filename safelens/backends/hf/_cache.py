@@ -38,9 +38,11 @@ from ...core._frozen import FrozenFlag
 from ...core._hook_point import CacheHookPoint
 from ...core._persistence import Devices
 from ...core._storage import Sequence
+from ._frozen_pass import FrozenPasses
 from ._hooks import FwdHooks, attached, resolve, resolve_hooks
 from ._layer import HOOK_POINTS, HFCacheLayer, HookNaming, check_naming
 from ._persistence import check_layers_fit, load_layers, save_layers, text_config
+from ._pytree import register_cache_pytree
 from ._transformers_cache import TransformersCache
 
 __all__ = ["HFKeyValueCache"]
@@ -90,6 +92,8 @@ class HFKeyValueCache(TransformersCache):
         if config is not None:
             self._grow(CacheDimensions.of(text_config(config)).n_layers)
         self._frozen = bool(frozen)
+        self._user_defined = False
+        self._frozen_passes = FrozenPasses()
         self._pass: Callable[[], None] | None = None
         self._last_layer = -1
         self._level = 0
@@ -110,10 +114,13 @@ class HFKeyValueCache(TransformersCache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append head-major keys/values to layer `layer_idx`; return cached + new.
 
-        Stores nothing while frozen. An update with a layer index not above the previous
-        one starts a forward pass: every layer is snapshotted then, and if this or a
-        later update of the pass raises, the whole cache is put back. `args`/`kwargs`
-        are what HuggingFace attention passes along; they are ignored.
+        Stores nothing while frozen, and then refuses a pass whose positions (the
+        `position_ids` or `cache_position` HuggingFace attention passes along in
+        `args`/`kwargs`, under transformers >= 5.24) start past what the cache holds: a
+        multi-step loop that believes its earlier steps were stored. An update with a
+        layer index not above the previous one starts a forward pass: every layer is
+        snapshotted then, and if this or a later update of the pass raises, the whole
+        cache is put back.
 
         **Arguments:**
 
@@ -123,7 +130,9 @@ class HFKeyValueCache(TransformersCache):
         **Returns:** `(keys, values)`, `[batch, n_kv_heads, pos_so_far + new_tokens, d_head]`.
 
         **Raises:** [`CacheShapeError`][safelens.CacheShapeError] for keys or values that
-        do not fit the layer; [`HookError`][safelens.HookError] from a hook's result.
+        do not fit the layer; [`HookError`][safelens.HookError] from a hook's result;
+        [`FrozenCacheError`][safelens.FrozenCacheError] for a pass over a frozen cache
+        that does not continue what it holds (run it on `cache.fork()`).
         """
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
             raise TypeError(f"layer_idx must be an int >= 0, got {layer_idx!r}")
@@ -133,6 +142,7 @@ class HFKeyValueCache(TransformersCache):
             layer = (
                 self.layers[layer_idx] if exists else HFCacheLayer(layer_idx, naming=self.naming)
             )
+            self._frozen_passes.check(layer.get_seq_length(), args, kwargs)
             return layer.update(key_states, value_states, store=False)
         if self._pass is None or layer_idx <= self._last_layer:
             self._pass = self._snapshot()
@@ -452,3 +462,6 @@ class HFKeyValueCache(TransformersCache):
             f"HFKeyValueCache(layers={len(self.layers)}, batch={self.batch_size}, "
             f"sequence_length={self.get_seq_length()}, frozen={self._frozen})"
         )
+
+
+register_cache_pytree(HFKeyValueCache)

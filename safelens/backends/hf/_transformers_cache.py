@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache
 
 from ...core._cache_layout import row_index
 from ...core._errors import FrozenCacheError
+from ._frozen_pass import refuse_generate
 from ._layer import HFCacheLayer
 
 __all__ = ["TransformersCache"]
@@ -34,6 +35,7 @@ class TransformersCache(Cache):
 
     layers: list[HFCacheLayer]  # type: ignore[assignment]  # only ever HFCacheLayers
     _frozen: bool
+    _user_defined: bool
 
     def _rows(self, rows: Any) -> torch.Tensor:
         return row_index(rows, max(self.batch_size, 0))
@@ -115,7 +117,19 @@ class TransformersCache(Cache):
         for layer in self.layers:
             layer.reset()
 
-    # -- what HuggingFace reads -------------------------------------------------------
+    # -- what HuggingFace reads and sets ----------------------------------------------
+
+    @property
+    def _is_user_defined(self) -> bool:
+        """Whether `generate` was handed this cache (it sets this before its first step)."""
+        return self._user_defined
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        # `generate` stores every step it decodes: a frozen cache is refused before any.
+        if value and self._frozen:
+            raise refuse_generate()
+        self._user_defined = bool(value)
 
     @property
     def batch_size(self) -> int:

@@ -1,0 +1,84 @@
+"""How `torch.export` sees an `HFKeyValueCache`: a pytree of its layers' keys and values.
+
+`torch.export` passes a model's inputs and outputs as pytrees of tensors. `DynamicCache`
+is registered as one by transformers (`register_dynamic_cache_export_support`);
+`register_cache_pytree` registers [`HFKeyValueCache`][safelens.HFKeyValueCache] the same
+way when it is imported: its leaves are each layer's head-major keys and values, in layer
+order (layers that hold nothing yet have none); its context is the layer count, which
+layers hold something, the hook naming and the frozen flag. Rebuilt, a cache holds those
+tensors in storage of its own and behaves as the cache flattened: a frozen one stores
+nothing in the exported program either.
+
+Caveat: hooks attached to the cache's hook points are not part of the pytree, so an
+exported program runs none of them; attach hooks in eager runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ...core._storage import Sequence
+from ._layer import HFCacheLayer, HookNaming
+
+__all__ = ["register_cache_pytree"]
+
+# (n_layers, layers that hold something, naming, frozen)
+Context = tuple[int, tuple[int, ...], HookNaming, bool]
+
+
+def _flatten(cache: Any) -> tuple[list[torch.Tensor], Context]:
+    held = tuple(i for i, layer in enumerate(cache.layers) if layer.keys is not None)
+    leaves = [t for i in held for t in (cache.layers[i].keys, cache.layers[i].values)]
+    return leaves, (len(cache.layers), held, cache.naming, bool(cache._frozen))
+
+
+def _flatten_with_keys(cache: Any) -> tuple[list[tuple[Any, torch.Tensor]], Context]:
+    leaves, context = _flatten(cache)
+    return [(pytree.SequenceKey(i), leaf) for i, leaf in enumerate(leaves)], context
+
+
+def register_cache_pytree(cls: type) -> None:
+    """Register `cls` (`HFKeyValueCache`) as a pytree node, once.
+
+    ```python
+    >>> from torch.utils import _pytree as pytree
+    >>> cache = HFKeyValueCache()
+    >>> _ = cache.update(torch.ones(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), 0)
+    >>> leaves, spec = pytree.tree_flatten(cache)
+    >>> [leaf.shape for leaf in leaves], pytree.tree_unflatten(leaves, spec)
+    ([torch.Size([1, 2, 3, 4]), torch.Size([1, 2, 3, 4])], HFKeyValueCache(layers=1, batch=1, sequence_length=3, frozen=False))
+
+    ```
+    """
+
+    def unflatten(values: Any, context: Context) -> Any:
+        n_layers, held, naming, frozen = context
+        cache = cls(naming=naming)
+        pairs = iter(list(values))
+        for i in range(n_layers):
+            if i in held:
+                keys, values_ = next(pairs), next(pairs)
+                layer = HFCacheLayer(
+                    i,
+                    Sequence.of(keys.transpose(1, 2)),
+                    Sequence.of(values_.transpose(1, 2)),
+                    naming,
+                )
+            else:
+                layer = HFCacheLayer(i, naming=naming)
+            cache.layers.append(layer)
+        cache._frozen = frozen
+        return cache
+
+    if cls in pytree.SUPPORTED_NODES:
+        return
+    pytree.register_pytree_node(
+        cls,
+        _flatten,
+        unflatten,
+        serialized_type_name=f"{cls.__module__}.{cls.__name__}",
+        flatten_with_keys_fn=_flatten_with_keys,
+    )
