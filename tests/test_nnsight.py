@@ -17,11 +17,9 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from hf_models import CONFIGS, VOCAB
+from hf_models import CONFIGS, VOCAB, tokenizer
 from nnsight import LanguageModel, NNsightDeprecationWarning, TransformersModel
 from packaging.version import Version
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
 
 from safelens import HFKeyValueCache, hf_cache_argument
 
@@ -30,21 +28,12 @@ PROMPT, NEW = 10, 4
 CACHE_ARGUMENT_RENAMED = Version(transformers.__version__) >= Version("5.24")
 
 
-def _tokenizer() -> transformers.PreTrainedTokenizerFast:
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t1")),
-        bos_token="t0",
-        unk_token="t1",
-    )
-
-
 @functools.cache
 def wrapped(family: str) -> tuple[torch.nn.Module, TransformersModel]:
     """A random-weight model of its own (no shared test model) and nnsight's wrapper."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()
-    return model, TransformersModel(model, tokenizer=_tokenizer(), task="text-generation")
+    return model, TransformersModel(model, tokenizer=tokenizer(), task="text-generation")
 
 
 def mlp(model: TransformersModel, layer: int) -> Any:
@@ -192,7 +181,7 @@ def test_generate_through_a_fork_gives_dynamic_caches_tokens(
 
 def test_language_model_the_deprecated_name_runs_the_same(setup: dict[str, Any]) -> None:
     with pytest.warns(NNsightDeprecationWarning, match="LanguageModel is deprecated"):
-        model = LanguageModel(setup["hf"], tokenizer=_tokenizer())
+        model = LanguageModel(setup["hf"], tokenizer=tokenizer())
     tokens, arg = setup["continuations"][:1], setup["arg"]
     ours = trace_logits(model, tokens, attention_mask=MASK, **{arg: setup["prefix"]})
     theirs = trace_logits(setup["model"], tokens, attention_mask=MASK, **{arg: setup["prefix"]})
