@@ -46,6 +46,7 @@ from jaxtyping import Float, Int
 from ..backends._backend import Backend, backend_of
 from ..core._arguments import flag, positive_int
 from ..core._errors import PatchingError
+from ..core._repr import summary_repr
 from ..core._thread_hooks import thread_hooks
 from ._hf_shortcuts import tolerance
 from ._hf_sites import _tokens
@@ -65,7 +66,7 @@ Activation = Literal["k", "v", "q", "z"]
 _ACTIVATIONS: tuple[Activation, ...] = ("k", "v", "q", "z")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class AttributionResult:
     """Estimated patching grids, and the exact values of the verified cells.
 
@@ -76,6 +77,8 @@ class AttributionResult:
     - `exact`: per activation, the same shape, NaN except the `verify_top_k` cells of
       largest estimated effect, which hold the exact sweep's value.
     """
+
+    __repr__ = summary_repr  # tensors by shape, not by value
 
     baseline: torch.Tensor
     estimates: dict[str, torch.Tensor]
