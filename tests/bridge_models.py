@@ -17,9 +17,7 @@ import tempfile
 import torch
 import transformers
 from devices import DEVICE
-from hf_models import CONFIGS, VOCAB
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
+from hf_models import CONFIGS, tokenizer
 from transformer_lens.model_bridge import TransformerBridge
 
 FAMILIES = ("llama", "gpt2")
@@ -36,20 +34,11 @@ def reference(name: str = "llama") -> torch.nn.Module:
     return _hf_model(name)
 
 
-def _tokenizer() -> transformers.PreTrainedTokenizerFast:
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t1")),
-        bos_token="t0",
-        unk_token="t1",
-    )
-
-
 @functools.cache
 def bridge(name: str = "llama", layers: int = 2) -> TransformerBridge:
     """A TransformerBridge over a tiny random-weight HF model of family `name`; cached."""
     with tempfile.TemporaryDirectory() as folder:
-        _tokenizer().save_pretrained(folder)
+        tokenizer().save_pretrained(folder)
         booted = TransformerBridge.boot_transformers(
             folder, hf_model=_hf_model(name, layers), device=DEVICE
         )

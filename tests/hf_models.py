@@ -77,3 +77,16 @@ def logits(lm: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         out = lm(tokens)
     return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer over the `VOCAB` ids, built offline: token `i` is `"t{i}"`."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t1")),
+        bos_token="t0",
+        unk_token="t1",
+    )

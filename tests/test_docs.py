@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import linecache
 import os
 import re
 import subprocess
@@ -74,7 +75,10 @@ def test_page_code_runs(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     for index, block in enumerate(blocks):
         stdout = io.StringIO()
         try:
-            code = compile(block, f"{page.relative_to(ROOT)}[block {index}]", "exec")
+            name = f"{page.relative_to(ROOT)}[block {index}]"
+            # Registered as source, as a file's would be: nnsight reads its `with` blocks back.
+            linecache.cache[name] = (len(block), None, block.splitlines(True), name)
+            code = compile(block, name, "exec")
             with contextlib.redirect_stdout(stdout):
                 exec(code, namespace)
         except Exception as error:

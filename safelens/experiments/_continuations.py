@@ -33,6 +33,7 @@ from jaxtyping import Float, Int
 from ..backends._backend import Backend
 from ..core._arguments import flag, positive_int
 from ..core._errors import CacheShapeError, TokenError
+from ..core._repr import summary_repr
 from ..core._tokens import check_tokens
 from ._prefix import Prefix, check_prefix, token_limits
 
@@ -42,7 +43,7 @@ DEFAULT_MEMORY_BUDGET = 1 << 30
 _AUTO_PROGRESS_BATCHES = 8
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class ContinuationScores:
     """Per-token log-probabilities of continuations, right-padded to the longest.
 
@@ -53,6 +54,8 @@ class ContinuationScores:
     - `mask`: `[n, new_tokens]`, True on real tokens.
     - `sums`: `[n]` total log-probability of each continuation.
     """
+
+    __repr__ = summary_repr  # tensors by shape, not by value
 
     log_probs: Float[torch.Tensor, "n new_tokens"]
     mask: torch.Tensor

@@ -26,13 +26,14 @@ from jaxtyping import Float, Int
 
 from ..core._arguments import finite_number, flag, integer, positive_int
 from ..core._errors import TokenError
+from ..core._repr import summary_repr
 from ..core._tokens import check_tokens
 from ._prefix import Prefix, check_prefix
 
 __all__ = ["Generation", "generate", "sample_logits"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Generation:
     """New tokens generated after a prefix.
 
@@ -43,6 +44,8 @@ class Generation:
     - `log_probs`: `[n, new_tokens]` log-probability of each generated token under the
       model (before temperature, top-k or top-p); 0 after a stop token.
     """
+
+    __repr__ = summary_repr  # tensors by shape, not by value
 
     tokens: Int[torch.Tensor, "n new_tokens"]
     lengths: Int[torch.Tensor, " n"]

@@ -36,6 +36,7 @@ from jaxtyping import Float, Int
 from ..backends._backend import Backend, backend_of, cache_ops
 from ..core._arguments import flag, integer
 from ..core._errors import CacheConfigError, CacheShapeError, FrozenCacheError, TokenError
+from ..core._repr import summary_repr
 from ..core._tokens import check_tokens
 
 __all__ = ["Prefix", "check_prefix", "prefill", "token_limits"]
@@ -46,7 +47,7 @@ def token_limits(backend: Backend) -> SimpleNamespace:
     return SimpleNamespace(d_vocab=backend.d_vocab, n_ctx=backend.n_ctx)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Prefix:
     """A prefix run once: its frozen cache and what continuations need from it.
 
@@ -63,6 +64,8 @@ class Prefix:
       `[batch, pos, d_model]` each, or `None` when not kept (or the backend cannot
       reuse them).
     """
+
+    __repr__ = summary_repr  # tensors by shape, not by value
 
     cache: Any
     tokens: Int[torch.Tensor, "batch pos"]

@@ -43,6 +43,7 @@ from jaxtyping import Float, Int
 from ..backends._backend import Backend, backend_of
 from ..core._arguments import flag, positive_int
 from ..core._errors import PatchingError
+from ..core._repr import summary_repr
 from ._attribution_pass import Read, Reads, corrupted_pass, qk_reads, site_for
 from ._hf_sites import Site, _tokens, clean_activation, site_of
 from ._hf_sweeps import Run, _check_no_dropout, run_sweep
@@ -73,7 +74,7 @@ _HEAD_SITES: tuple[Activation, ...] = ("k", "v", "q", "z")
 _FIXED = frozenset({"k", "q"})  # what the QK fix recomputes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class AttributionResult:
     """Estimated patching grids, and the exact values of the verified cells.
 
@@ -87,6 +88,8 @@ class AttributionResult:
     - `exact`: per activation, the same shape, NaN except the `verify_top_k` cells of
       largest estimated effect, which hold the exact sweep's value.
     """
+
+    __repr__ = summary_repr  # tensors by shape, not by value
 
     baseline: torch.Tensor
     estimates: dict[str, torch.Tensor]

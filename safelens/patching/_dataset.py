@@ -46,6 +46,7 @@ from tqdm import tqdm
 from ..backends._backend import Backend, backend_of
 from ..core._arguments import described, flag, is_int, positive_int
 from ..core._errors import PatchingError
+from ..core._repr import summary_repr
 from ..core._tokens import check_tokens
 from ..experiments._prefix import token_limits
 from ._hf_sites import run_with_patching_cache
@@ -62,7 +63,7 @@ PairMetric = Callable[
 _EXACT_FLOAT32 = 2**24
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class PatchingResult:
     """A sweep over a dataset of prompt pairs: per-pair values and their summary.
 
@@ -76,6 +77,8 @@ class PatchingResult:
     - `ci_low`, `ci_high`: `[*grid]`, the percentile-bootstrap interval of the mean at
       `confidence`, from `n_bootstrap` resamples of the pairs.
     """
+
+    __repr__ = summary_repr  # tensors by shape, not by value
 
     per_pair: torch.Tensor
     mean: torch.Tensor
