@@ -20,10 +20,11 @@ import sys
 import pandas as pd
 import pytest
 import torch
+import transformers
 from bridge_models import bridge, reference
 from hf_models import CONFIGS
 from test_patching_every_hf import batched, last_position, metric, prompts, sharp_model
-from test_patching_hf import _d_head, _forward, _layers
+from test_patching_hf import OTHER_ATTENTION, _d_head, _forward, _layers
 from test_patching_hf import reference as hf_reference
 from transformer_lens import patching
 
@@ -371,3 +372,23 @@ def test_generic_on_hf_equals_a_loop_of_hooked_forwards(name, monkeypatch):
     expected = hf_reference(lm, "k", keys, clean, corrupted, torch.ones_like(clean))
     assert (got - expected).abs().max() <= TOL
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in lm.modules())
+
+
+def test_a_family_whose_attention_skips_the_attention_functions_is_refused_its_queries():
+    """Falcon computes attention itself: no q or pattern; its head outputs still patch."""
+    config = OTHER_ATTENTION["falcon"]
+    config.update(dict(vocab_size=50, bos_token_id=0, eos_token_id=None, pad_token_id=None))
+    torch.manual_seed(0)
+    lm = transformers.AutoModelForCausalLM.from_config(config).eval()
+    clean, corrupted = prompts()
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    assert "blocks.0.attn.hook_q" not in clean_cache and "blocks.0.attn.hook_z" in clean_cache
+    for sweep in ("get_act_patch_attn_head_q_by_pos", "get_act_patch_attn_head_pattern_by_pos"):
+        with pytest.raises(PatchingError, match="FalconAttention computes its attention without"):
+            getattr(safelens, sweep)(lm, corrupted, clean_cache, batched, progress=False)
+    with pytest.raises(PatchingError, match=r"in parallel .*\(parallel_attn=True\)"):
+        safelens.get_act_patch_resid_mid(lm, corrupted, clean_cache, batched, progress=False)
+    got = safelens.get_act_patch_attn_head_out_by_pos(
+        lm, corrupted, clean_cache, batched, progress=False
+    )
+    assert got.shape == (2, 6, 4)
