@@ -20,10 +20,12 @@ import sys
 import pandas as pd
 import pytest
 import torch
+import transformers
 from bridge_models import bridge, reference
 from hf_models import CONFIGS
 from test_patching_every_hf import batched, last_position, metric, prompts, sharp_model
-from test_patching_hf import _d_head, _forward, _layers
+from test_patching_hf import OTHER_ATTENTION, _d_head, _forward, _layers
+from test_patching_hf import reference as hf_reference
 from transformer_lens import patching
 
 import safelens
@@ -311,3 +313,82 @@ def test_the_clean_cache_holds_every_site_in_transformer_lens_layout():
     assert sorted(kept) == ["blocks.0.attn.hook_q", "blocks.1.attn.hook_q"]
     with pytest.raises(PatchingError, match="names_filter must be a name, a list of names"):
         run_with_patching_cache(lm, clean, names_filter=[3])
+
+
+# -- generic_activation_patch on plain HuggingFace models ---------------------------------
+
+
+def smear_tail(corrupted_activation, index, clean_activation):
+    """A new tensor, clean from position `pos` on (a setter that does not edit in place)."""
+    layer, pos = index
+    return torch.cat([corrupted_activation[:, :pos], clean_activation[:, pos:]], dim=1)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gemma2"])
+def test_generic_on_hf_equals_a_loop_of_hooked_forwards(name, monkeypatch):
+    lm = sharp_model(name)
+    clean, corrupted = prompts()
+    _, clean_cache = run_with_patching_cache(lm, clean)
+
+    def generic(activation, setter, columns, indices):
+        index_df = pd.DataFrame(indices, columns=columns)
+        return safelens.generic_activation_patch(
+            lm, corrupted, clean_cache, metric, setter, activation, index_df=index_df
+        )
+
+    vectors = [(0, 2, 1), (1, 4, 3)]
+    for activation in ("q", "z"):
+        got = generic(
+            activation,
+            patching.layer_pos_head_vector_patch_setter,
+            ["layer", "pos", "head_index"],
+            vectors,
+        )
+        expected = vector_reference(lm, activation, vectors, clean, corrupted)
+        assert (got - expected).abs().max() <= TOL, activation
+    got = generic("resid_mid", smear_tail, ["layer", "pos"], [(0, 2), (1, 4)])
+    tails = [(0, slice(2, None)), (1, slice(4, None))]
+    assert (got - resid_mid_reference(lm, tails, clean, corrupted)).abs().max() <= TOL
+    heads = [(0, 1), (1, 3)]
+    expected = pattern_reference(
+        lm, [(*head, None, None) for head in heads], clean, corrupted, monkeypatch
+    )
+    for activation in ("pattern", "attn_scores"):  # a head's scores give its pattern
+        got = generic(
+            activation, patching.layer_head_pattern_patch_setter, ["layer", "head_index"], heads
+        )
+        assert (got - expected).abs().max() <= TOL, activation
+    monkeypatch.undo()
+    # resid_post of layer 0 is resid_pre of layer 1
+    got = generic("resid_post", patching.layer_pos_patch_setter, ["layer", "pos"], [(0, 2), (0, 4)])
+    expected = hf_reference(
+        lm, "resid_pre", [(1, 2), (1, 4)], clean, corrupted, torch.ones_like(clean)
+    )
+    assert (got - expected).abs().max() <= TOL
+    keys = [(0, 2, 1), (1, 4, 0)]
+    got = generic(
+        "k", patching.layer_pos_head_vector_patch_setter, ["layer", "pos", "head_index"], keys
+    )
+    expected = hf_reference(lm, "k", keys, clean, corrupted, torch.ones_like(clean))
+    assert (got - expected).abs().max() <= TOL
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in lm.modules())
+
+
+def test_a_family_whose_attention_skips_the_attention_functions_is_refused_its_queries():
+    """Falcon computes attention itself: no q or pattern; its head outputs still patch."""
+    config = OTHER_ATTENTION["falcon"]
+    config.update(dict(vocab_size=50, bos_token_id=0, eos_token_id=None, pad_token_id=None))
+    torch.manual_seed(0)
+    lm = transformers.AutoModelForCausalLM.from_config(config).eval()
+    clean, corrupted = prompts()
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    assert "blocks.0.attn.hook_q" not in clean_cache and "blocks.0.attn.hook_z" in clean_cache
+    for sweep in ("get_act_patch_attn_head_q_by_pos", "get_act_patch_attn_head_pattern_by_pos"):
+        with pytest.raises(PatchingError, match="FalconAttention computes its attention without"):
+            getattr(safelens, sweep)(lm, corrupted, clean_cache, batched, progress=False)
+    with pytest.raises(PatchingError, match=r"in parallel .*\(parallel_attn=True\)"):
+        safelens.get_act_patch_resid_mid(lm, corrupted, clean_cache, batched, progress=False)
+    got = safelens.get_act_patch_attn_head_out_by_pos(
+        lm, corrupted, clean_cache, batched, progress=False
+    )
+    assert got.shape == (2, 6, 4)

@@ -59,7 +59,7 @@ from ..backends.hf._seams import (
     ATTENTION_POINTS,
     Edit,
     attention_edits,
-    attention_module,
+    attention_function_module,
     child_named,
     input_edits,
     mlp_norm,
@@ -252,7 +252,7 @@ def _seam_modules(backend: Backend, activation: str) -> list[torch.nn.Module]:
         return [mlp_norm(layer, index, config) for index, layer in enumerate(layers)]
     if activation == "z":
         return [output_projection(layer, index) for index, layer in enumerate(layers)]
-    return [attention_module(layer, index) for index, layer in enumerate(layers)]
+    return [attention_function_module(layer, index) for index, layer in enumerate(layers)]
 
 
 @contextmanager

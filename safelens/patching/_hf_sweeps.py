@@ -199,7 +199,8 @@ def run_sweep(
             runs = [run for run in runs if run[0] not in skipped]
         with tqdm(total=len(runs) + len(idle), disable=not progress, desc="patching") as bar:
             bar.update(len(idle))
-            for first, start, group in _passes(backend, site, shortcuts, runs, length, batch):
+            passes = _passes(backend, site, shortcuts, runs, length, batch, editor is None)
+            for first, start, group in passes:
                 rows = _rows_limit(backend, site.heads or 1, length - start, length, max_bytes)
                 per_pass = max(1, rows // batch)
                 per_pass = min(per_pass, max_batch) if max_batch else per_pass
@@ -302,6 +303,7 @@ def _passes(
     runs: list[Run],
     length: int,
     batch: int,
+    own_patches: bool = True,
 ) -> list[tuple[int, int, list[Run]]]:
     """The sweep's passes `(first layer, first position, runs)`, cheapest by a cost model.
 
@@ -313,11 +315,13 @@ def _passes(
     position alone: a key or value patch changes only what that position reads (patched
     where the cache hands the last layer every position, `Site.full`), and a patch of an
     activation computed after the keys and values (`_OWN_POSITION`) changes only its own
-    position, so one at an earlier position gives the corrupted run's logits.
+    position, so one at an earlier position gives the corrupted run's logits. Not for
+    a generic sweep's runs (`own_patches=False`), whose setter may write any position.
     """
     last = backend.n_layers - 1
     late = (
-        shortcuts.partial
+        own_patches
+        and shortcuts.partial
         and shortcuts.last_only
         and (site.full is not None or site.activation in _OWN_POSITION)
         and (shortcuts.skips or last == 0)

@@ -10,9 +10,9 @@ causal model only runs positions `p:` and layers `l:` (see `safelens.patching._g
 Every input is checked before the first patched run (see `safelens.patching._inputs`).
 
 Models: a `HookedTransformer` runs here. A TransformerBridge or a HuggingFace causal LM
-goes to `safelens.patching._hf_sweeps` (the sweeps of this module but `resid_mid`, `q`
-and `z` on plain HuggingFace models; keys patched after the rotary embedding, the same
-patch at one position), and `generic_activation_patch` on a bridge to
+goes to `safelens.patching._hf_sweeps` (keys and queries patched after the rotary
+embedding, the same patch at one position; `resid_mid` refused in families that run
+attention and MLP in parallel), and `generic_activation_patch` to
 `safelens.patching._hf_generic`, so this module imports without `HookedTransformer`,
 which TransformerLens 4 removed.
 
@@ -202,7 +202,8 @@ def generic_activation_patch(
     Patches of `rot_k`, `attn_scores` or `pattern`, whose tensors span every key
     position, always run every position. On a TransformerBridge the setter runs on the
     bridge's own hook points, every position of each run (`safelens.patching._hf_generic`);
-    a plain HuggingFace model is refused.
+    on a plain HuggingFace model at the site of `activation_name`
+    (`safelens.patching._hf_sites`), both tensors in TransformerLens' layout.
 
     **Arguments:**
 

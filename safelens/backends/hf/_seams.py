@@ -35,6 +35,7 @@ not run through it.
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 import threading
@@ -51,6 +52,7 @@ __all__ = [
     "ATTENTION_POINTS",
     "Edit",
     "attention_edits",
+    "attention_function_module",
     "attention_module",
     "child_named",
     "input_edits",
@@ -95,6 +97,22 @@ def attention_module(layer: torch.nn.Module, index: int) -> torch.nn.Module:
             "to patch"
         )
     module: torch.nn.Module = getattr(layer, name)
+    return module
+
+
+def attention_function_module(layer: torch.nn.Module, index: int) -> torch.nn.Module:
+    """Decoder layer `index`'s attention module, if it calls an `ALL_ATTENTION_FUNCTIONS` function.
+
+    Read from the names its `forward`'s code refers to; a `PatchingError` saying why not.
+    """
+    module = attention_module(layer, index)
+    forward = inspect.unwrap(type(module).forward)
+    if "ALL_ATTENTION_FUNCTIONS" not in getattr(forward, "__code__", forward).co_names:
+        raise PatchingError(
+            f"{type(module).__name__} computes its attention without transformers' "
+            "ALL_ATTENTION_FUNCTIONS, so its queries, scores and patterns cannot be "
+            "reached; patch k, v, z, resid_pre, attn_out or mlp_out instead"
+        )
     return module
 
 
