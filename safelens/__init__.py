@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from .backends.hooked._hooks import add_hook, cache_hook_names, hooks, reset_hooks
     from .backends.hooked._shared_attention import shared_prefix_attention
     from .patching._attribution import AttributionResult, attribution_patch
+    from .patching._attribution_dataset import AttributionDatasetResult, attribution_patch_dataset
     from .patching._dataset import PatchingResult, patch_dataset
     from .patching._every import (
         get_act_patch_attn_head_all_pos_every,
@@ -74,6 +75,7 @@ _LAZY_MODULES = {
     ".backends.hooked._hooks": ("add_hook", "cache_hook_names", "hooks", "reset_hooks"),
     ".backends.hooked._shared_attention": ("shared_prefix_attention",),
     ".patching._attribution": ("AttributionResult", "attribution_patch"),
+    ".patching._attribution_dataset": ("AttributionDatasetResult", "attribution_patch_dataset"),
     ".patching._dataset": ("PatchingResult", "patch_dataset"),
     ".patching._hf_sites": ("run_with_patching_cache",),
     ".patching._every": (
@@ -182,6 +184,8 @@ __all__ = [
     "PatchingResult",
     "attribution_patch",
     "AttributionResult",
+    "attribution_patch_dataset",
+    "AttributionDatasetResult",
     "plot_patching_heatmap",
     "PatchingError",
     "Prefix",

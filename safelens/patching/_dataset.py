@@ -53,7 +53,14 @@ from ._hf_sweeps import is_seam_model
 from ._limits import DEFAULT_MAX_BYTES
 from ._metric import reads_last_position
 
-__all__ = ["PatchingResult", "patch_dataset"]
+__all__ = [
+    "PatchingResult",
+    "check_summary",
+    "clean_cache_of",
+    "lone_pair_doubled",
+    "pair_tokens",
+    "patch_dataset",
+]
 
 PairMetric = Callable[
     [Float[torch.Tensor, "rows pos d_vocab"], Int[torch.Tensor, " rows"]],
@@ -149,6 +156,58 @@ def _pair_bytes(backend: Backend, length: int) -> int:
     return length * (backend.n_layers * width + backend.d_vocab) * itemsize
 
 
+def check_summary(
+    n_bootstrap: Any, confidence: Any, seed: Any, max_bytes: Any, progress: Any
+) -> None:
+    """Refuse a bad argument of a dataset run, naming it."""
+    positive_int(n_bootstrap, "n_bootstrap", error=PatchingError)
+    positive_int(max_bytes, "max_bytes", error=PatchingError)
+    flag(progress, "progress", error=PatchingError)
+    if not is_int(seed) or seed < 0:
+        raise PatchingError(f"seed must be a non-negative int, got {described(seed)}")
+    if isinstance(confidence, bool) or not isinstance(confidence, float | int):
+        raise PatchingError(f"confidence must be a float in (0, 1), got {confidence!r}")
+    if not 0 < confidence < 1:
+        raise PatchingError(f"confidence must be in (0, 1) (e.g. 0.95), got {confidence!r}")
+
+
+def pair_tokens(
+    backend: Backend, clean_tokens: Any, corrupted_tokens: Any
+) -> tuple[Int[torch.Tensor, "pairs pos"], Int[torch.Tensor, "pairs pos"]]:
+    """The clean and corrupted token ids of the pairs, checked, on the model's device."""
+    clean = _tokens(backend, clean_tokens, "clean_tokens")
+    corrupted = _tokens(backend, corrupted_tokens, "corrupted_tokens")
+    if clean.shape != corrupted.shape:
+        raise PatchingError(
+            f"clean_tokens {tuple(clean.shape)} and corrupted_tokens "
+            f"{tuple(corrupted.shape)} must have one shape [pairs, pos]: pair i is row i of "
+            "each"
+        )
+    return clean, corrupted
+
+
+def clean_cache_of(backend: Backend, clean: torch.Tensor) -> Any:
+    """The clean cache the sweeps read on `backend`'s family, for the prompts `clean`."""
+    with torch.no_grad():
+        if backend.family == "hf":
+            return run_with_patching_cache(backend.model, clean)[1]
+        return backend.model.run_with_cache(clean)[1]
+
+
+def lone_pair_doubled(
+    backend: Backend, clean: torch.Tensor, corrupted: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A lone pair twice on a HuggingFace model with a pad token, else as it is.
+
+    Such a model masks left padding in batches of several prompts only
+    (`default_mask`): a lone pair runs twice, as it would among others.
+    """
+    pad = getattr(backend.tokenizer, "pad_token_id", None)
+    if backend.family == "hf" and pad is not None and clean.shape[0] == 1:
+        return clean.repeat(2, 1), corrupted.repeat(2, 1)
+    return clean, corrupted
+
+
 def _tokens(backend: Backend, value: Any, name: str) -> torch.Tensor:
     tokens = check_tokens(value, token_limits(backend), name)
     if tokens.dim() != 2 or tokens.shape[0] == 0:
@@ -223,24 +282,9 @@ def patch_dataset(
 
     ```
     """
-    positive_int(n_bootstrap, "n_bootstrap", error=PatchingError)
-    positive_int(max_bytes, "max_bytes", error=PatchingError)
-    flag(progress, "progress", error=PatchingError)
-    if not is_int(seed) or seed < 0:
-        raise PatchingError(f"seed must be a non-negative int, got {described(seed)}")
-    if isinstance(confidence, bool) or not isinstance(confidence, float | int):
-        raise PatchingError(f"confidence must be a float in (0, 1), got {confidence!r}")
-    if not 0 < confidence < 1:
-        raise PatchingError(f"confidence must be in (0, 1) (e.g. 0.95), got {confidence!r}")
+    check_summary(n_bootstrap, confidence, seed, max_bytes, progress)
     backend = _backend(model)
-    clean = _tokens(backend, clean_tokens, "clean_tokens")
-    corrupted = _tokens(backend, corrupted_tokens, "corrupted_tokens")
-    if clean.shape != corrupted.shape:
-        raise PatchingError(
-            f"clean_tokens {tuple(clean.shape)} and corrupted_tokens "
-            f"{tuple(corrupted.shape)} must have one shape [pairs, pos]: pair i is row i of "
-            "each"
-        )
+    clean, corrupted = pair_tokens(backend, clean_tokens, corrupted_tokens)
     pairs, length = clean.shape
     chunk = max(1, min(pairs, max_bytes // _pair_bytes(backend, length)))
     per_chunk: list[torch.Tensor] = []
@@ -268,17 +312,10 @@ def _chunk(
     max_bytes: int,
 ) -> Float[torch.Tensor, "pairs ..."]:
     """Per-pair values `[len(rows), *grid]` of the sweep over one chunk of pairs."""
-    pad = getattr(backend.tokenizer, "pad_token_id", None)
-    if backend.family == "hf" and pad is not None and rows.numel() == 1:
-        # A HuggingFace model masks left padding in batches of several prompts only
-        # (`default_mask`): a lone pair runs twice, as it would among others.
-        clean, corrupted = clean.repeat(2, 1), corrupted.repeat(2, 1)
+    clean, corrupted = lone_pair_doubled(backend, clean, corrupted)
     batch = clean.shape[0]
+    clean_cache = clean_cache_of(backend, clean)
     with torch.no_grad():
-        if backend.family == "hf":
-            _, clean_cache = run_with_patching_cache(backend.model, clean)
-        else:
-            _, clean_cache = backend.model.run_with_cache(clean)
         numbered = _RunNumbers(metric, rows.repeat(batch // rows.numel()), 1)
         grid = sweep(
             backend.model,
