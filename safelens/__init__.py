@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from .backends.hooked._shared_attention import shared_prefix_attention
     from .distributed._workers import RayWorkers
     from .patching._attribution import AttributionResult, attribution_patch
+    from .patching._attribution_dataset import AttributionDatasetResult, attribution_patch_dataset
     from .patching._dataset import PatchingResult, patch_dataset
     from .patching._every import (
         get_act_patch_attn_head_all_pos_every,
@@ -78,6 +79,7 @@ _LAZY_MODULES = {
     ".backends.hooked._shared_attention": ("shared_prefix_attention",),
     ".distributed._workers": ("RayWorkers",),
     ".patching._attribution": ("AttributionResult", "attribution_patch"),
+    ".patching._attribution_dataset": ("AttributionDatasetResult", "attribution_patch_dataset"),
     ".patching._dataset": ("PatchingResult", "patch_dataset"),
     ".patching._hf_sites": ("run_with_patching_cache",),
     ".patching._every": (
@@ -188,6 +190,8 @@ __all__ = [
     "PatchingResult",
     "attribution_patch",
     "AttributionResult",
+    "attribution_patch_dataset",
+    "AttributionDatasetResult",
     "plot_patching_heatmap",
     "PatchingError",
     "Prefix",

@@ -54,7 +54,15 @@ from ._hf_sweeps import is_seam_model
 from ._limits import DEFAULT_MAX_BYTES
 from ._metric import reads_last_position
 
-__all__ = ["PatchingResult", "patch_dataset"]
+__all__ = [
+    "PatchingResult",
+    "check_options",
+    "clean_cache_of",
+    "lone_pair_doubled",
+    "pair_tokens",
+    "pairs_per_chunk",
+    "patch_dataset",
+]
 
 PairMetric = Callable[
     [Float[torch.Tensor, "rows pos d_vocab"], Int[torch.Tensor, " rows"]],
@@ -170,6 +178,28 @@ def check_options(
         raise PatchingError(f"confidence must be a float in (0, 1), got {confidence!r}")
     if not 0 < confidence < 1:
         raise PatchingError(f"confidence must be in (0, 1) (e.g. 0.95), got {confidence!r}")
+
+
+def clean_cache_of(backend: Backend, clean: torch.Tensor) -> Any:
+    """The clean cache the sweeps read on `backend`'s family, for the prompts `clean`."""
+    with torch.no_grad():
+        if backend.family == "hf":
+            return run_with_patching_cache(backend.model, clean)[1]
+        return backend.model.run_with_cache(clean)[1]
+
+
+def lone_pair_doubled(
+    backend: Backend, clean: torch.Tensor, corrupted: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A lone pair twice on a HuggingFace model with a pad token, else as it is.
+
+    Such a model masks left padding in batches of several prompts only
+    (`default_mask`): a lone pair runs twice, as it would among others.
+    """
+    pad = getattr(backend.tokenizer, "pad_token_id", None)
+    if backend.family == "hf" and pad is not None and clean.shape[0] == 1:
+        return clean.repeat(2, 1), corrupted.repeat(2, 1)
+    return clean, corrupted
 
 
 def _tokens(limits: Any, value: Any, name: str) -> torch.Tensor:
@@ -293,17 +323,10 @@ def _chunk(
     max_bytes: int,
 ) -> Float[torch.Tensor, "pairs ..."]:
     """Per-pair values `[len(rows), *grid]` of the sweep over one chunk of pairs."""
-    pad = getattr(backend.tokenizer, "pad_token_id", None)
-    if backend.family == "hf" and pad is not None and rows.numel() == 1:
-        # A HuggingFace model masks left padding in batches of several prompts only
-        # (`default_mask`): a lone pair runs twice, as it would among others.
-        clean, corrupted = clean.repeat(2, 1), corrupted.repeat(2, 1)
+    clean, corrupted = lone_pair_doubled(backend, clean, corrupted)
     batch = clean.shape[0]
+    clean_cache = clean_cache_of(backend, clean)
     with torch.no_grad():
-        if backend.family == "hf":
-            _, clean_cache = run_with_patching_cache(backend.model, clean)
-        else:
-            _, clean_cache = backend.model.run_with_cache(clean)
         numbered = _RunNumbers(metric, rows.repeat(batch // rows.numel()), 1)
         grid = sweep(
             backend.model,
