@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -99,12 +98,11 @@ def recomputed(control: Path, clean: torch.Tensor) -> set[int]:
 
 @pytest.fixture(scope="module")
 def ray_instance():
-    """A local Ray instance of 2 CPUs whose workers import from tests/; removed after."""
-    temp = tempfile.mkdtemp(prefix="ray")
+    """A local Ray instance of 2 CPUs whose workers import from tests/, stopped after."""
     path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), path]))
     try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     finally:
         if path is None:
             del os.environ["PYTHONPATH"]
@@ -112,7 +110,6 @@ def ray_instance():
             os.environ["PYTHONPATH"] = path
     yield
     ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

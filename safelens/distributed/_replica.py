@@ -3,8 +3,8 @@
 The replica is a Ray actor. Its constructor sets torch's thread count to the CPUs Ray
 gave the worker (so that one worker of `num_cpus=c` computes as one process of `c`
 threads would, and workers sharing a machine do not oversubscribe it) and builds the
-model from its [`ModelSource`][safelens.distributed._model_source.ModelSource]. A shard
-is an importable function applied to the model; its tensors come back on the CPU.
+model from its `ModelSource`. A shard is an importable function applied to the model;
+its tensors come back on the CPU.
 """
 
 from __future__ import annotations
