@@ -36,7 +36,7 @@ from transformer_lens.patching import layer_pos_head_vector_patch_setter
 
 import safelens
 
-from ._common import Row, rotary_model
+from ._common import Row, rotary_model, synchronize
 
 TARGET = "≥50× faster than the exact by-position grid"
 EXACT = {
@@ -170,8 +170,10 @@ def recall(estimate: torch.Tensor, effect: torch.Tensor, within: int, top: int =
 
 
 def _timed(fn):
+    synchronize()
     start = time.perf_counter()
     value = fn()
+    synchronize()
     return value, time.perf_counter() - start
 
 
@@ -205,9 +207,9 @@ def _exact_subset_time(model, corrupted, clean_cache, metric, positions: list[in
     return total / (2 * len(rows))
 
 
-def speed_row(length: int, subset: int | None) -> Row:
+def speed_row(length: int, subset: int | None, device: str = "cpu") -> Row:
     """Attribution (k and v, QK fix) against the exact k and v grids at `length` tokens."""
-    model = rotary_model(n_layers=4)
+    model = rotary_model(n_layers=4, device=device)
     corrupted, clean_cache, metric = random_task(model, length)
     run = lambda: safelens.attribution_patch(  # noqa: E731
         model, corrupted, clean_cache, metric, activations=["k", "v"]

@@ -16,6 +16,7 @@ import transformer_lens.patching as tl_patching
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 from safelens import AttributionResult, PatchingError, attribution_patch
+from tests.devices import DEVICE
 from tests.models import make_model, tokens
 
 EXACT = {
@@ -41,7 +42,7 @@ def linear_model(n_layers: int, positional: str = "standard", n_kv_heads: int | 
         normalization_type=None,
         positional_embedding_type=positional,
         seed=3,
-        device="cpu",
+        device=str(DEVICE),
     )
     model = HookedTransformer(cfg)
     with torch.no_grad():  # larger queries and keys: sharper, saturating attention
@@ -224,12 +225,12 @@ def test_the_qk_fix_is_refused_where_attention_transforms_keys_further() -> None
         d_vocab=11,
         attn_only=True,
         use_attention_sinks=True,
-        device="cpu",
+        device=str(DEVICE),
     )
     model = HookedTransformer(cfg)
     corrupted, clean_cache = (
-        torch.tensor([[1, 5, 3]]),
-        model.run_with_cache(torch.tensor([[1, 2, 3]]))[1],
+        torch.tensor([[1, 5, 3]], device=DEVICE),
+        model.run_with_cache(torch.tensor([[1, 2, 3]], device=DEVICE))[1],
     )
     with pytest.raises(PatchingError, match=r"\(cfg.use_attention_sinks\); pass qk_fix=False"):
         attribution_patch(model, corrupted, clean_cache, linear_metric)

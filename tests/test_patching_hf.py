@@ -19,6 +19,7 @@ import pytest
 import torch
 import transformers
 from bridge_models import bridge
+from devices import TOLERANCE
 from hf_models import ids, model
 from transformer_lens import patching
 
@@ -295,11 +296,19 @@ HF_SWEEPS = [
 
 
 @pytest.mark.parametrize(
-    ("name", "padded"), [("llama", False), ("llama", True), ("gpt2", True), ("gemma2", False)]
+    ("name", "padded", "dtype"),
+    [
+        ("llama", False, "float32"),
+        ("llama", True, "float32"),
+        ("gpt2", True, "float32"),
+        ("gemma2", False, "float32"),
+        ("llama", True, "bfloat16"),
+    ],
 )
-def test_hf_sweeps_equal_a_loop_of_hooked_forwards(name, padded, monkeypatch):
+def test_hf_sweeps_equal_a_loop_of_hooked_forwards(name, padded, dtype, monkeypatch):
     """Keys patched post-rotary at the cache seam equal keys patched pre-rotary at k_proj."""
-    lm = model(name)
+    lm = model(name, getattr(torch, dtype))
+    tol = TOL if dtype == "float32" else TOLERANCE[torch.bfloat16]["atol"]
     clean, corrupted = prompts(2, padded)
     mask = torch.ones_like(clean)
     if padded:
@@ -309,8 +318,11 @@ def test_hf_sweeps_equal_a_loop_of_hooked_forwards(name, padded, monkeypatch):
     for sweep, activation, indices in HF_SWEEPS:
         got = getattr(safelens, sweep)(lm, corrupted, clean_cache, batched(2), progress=False)
         expected = reference(lm, activation, indices, clean, corrupted, mask)
-        assert (got[tuple(torch.tensor(indices).T)] - expected).abs().max() <= TOL, sweep
-        assert (got - got.flatten()[0]).abs().max() > 1e-6, sweep  # the patches matter
+        assert (got[tuple(torch.tensor(indices).T)] - expected).abs().max() <= tol, sweep
+        # The patches matter (in bfloat16, a whole key/value head's effect on this tiny
+        # model is below the metric's resolution; per-position patches still show).
+        if dtype == "float32" or "all_pos" not in sweep:
+            assert (got - got.flatten()[0]).abs().max() > 1e-6, sweep
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in lm.modules())
 
 
