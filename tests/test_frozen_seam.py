@@ -17,8 +17,8 @@ import threading
 import pytest
 import torch
 import transformers
-from bridge_models import _tokenizer, bridge
-from hf_models import ids, model, run
+from bridge_models import bridge
+from hf_models import ids, model, run, tokenizer
 from packaging.version import Version
 from test_hf_cache import GENERATE, assert_state, state
 from transformers import DynamicCache
@@ -71,7 +71,7 @@ def test_nnsight_generate_refuses_a_frozen_cache_and_runs_on_a_fork(mode):
     from nnsight import TransformersModel  # LanguageModel's name since nnsight 0.8
 
     lm, prompt = model("llama", layers=4), ids(1, 9)
-    wrapped = TransformersModel(lm, task="text-generation", tokenizer=_tokenizer())
+    wrapped = TransformersModel(lm, task="text-generation", tokenizer=tokenizer())
     prefix, dynamic = prefixes("llama", prompt[:, :6])
     before = state(prefix)
     arg = hf_cache_argument(lm)

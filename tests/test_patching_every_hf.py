@@ -19,8 +19,7 @@ import pandas as pd
 import pytest
 import torch
 import transformers
-from bridge_models import _tokenizer
-from hf_models import CONFIGS, ids
+from hf_models import CONFIGS, ids, tokenizer
 from transformer_lens import patching
 from transformer_lens.model_bridge import TransformerBridge
 
@@ -51,7 +50,7 @@ def sharp_model(name: str) -> torch.nn.Module:
 def sharp_bridge(name: str) -> TransformerBridge:
     """A bridge over `sharp_model(name)`'s twin (booting edits the model it wraps); cached."""
     with tempfile.TemporaryDirectory() as folder:
-        _tokenizer().save_pretrained(folder)
+        tokenizer().save_pretrained(folder)
         booted = TransformerBridge.boot_transformers(folder, hf_model=_sharp(name), device="cpu")
     booted.eval()
     return booted
