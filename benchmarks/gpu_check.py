@@ -177,6 +177,19 @@ def split_model(device: str) -> Check:
     return Check(name, result, f"max diff {diff:.1e} over {len(whole)} experiments", 0.0)
 
 
+def _small_llama() -> torch.nn.Module:
+    """A 2-layer random-weight Llama-like model, the same weights at every call."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=50, bos_token_id=0, eos_token_id=None,
+        pad_token_id=None,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).eval()
+
+
 def ray_job(device: str) -> Check:
     """`patch_dataset` on a Ray GPU worker beside two CPU workers, against one process."""
     name = "Ray patch_dataset: 1 GPU worker beside 2 CPU workers"
@@ -190,9 +203,6 @@ def ray_job(device: str) -> Check:
 
     from safelens import get_act_patch_resid_pre, patch_dataset
 
-    _tests_on_path()
-    from split_models import unsplit
-
     generator = torch.Generator().manual_seed(0)
     clean = torch.randint(1, 50, (16, 6), generator=generator)
     corrupted = clean.clone()
@@ -202,11 +212,13 @@ def ray_job(device: str) -> Check:
         return logits[:, -1, 3] - logits[:, -1, 5]
 
     with torch.no_grad():
-        here = patch_dataset(get_act_patch_resid_pre, unsplit(), clean, corrupted, metric)
+        here = patch_dataset(get_act_patch_resid_pre, _small_llama(), clean, corrupted, metric)
+    # The workers cannot import this module by name: the factory travels by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     ray.init(num_cpus=3, num_gpus=1, include_dashboard=False)
     try:
-        gpu = RayWorkers(unsplit, n_workers=1, num_cpus=1, num_gpus=1)
-        cpus = RayWorkers(unsplit, n_workers=2, num_cpus=1)
+        gpu = RayWorkers(_small_llama, n_workers=1, num_cpus=1, num_gpus=1)
+        cpus = RayWorkers(_small_llama, n_workers=2, num_cpus=1)
         results = [w.patch_dataset(get_act_patch_resid_pre, clean, corrupted, metric,
                                    progress=False) for w in (gpu, cpus)]  # fmt: skip
     finally:

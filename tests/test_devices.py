@@ -16,7 +16,6 @@ import accelerate
 import pytest
 import torch
 from split_models import N_LAYERS, cache_devices, experiments, split_llama, unsplit
-from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 import safelens
 from safelens.backends._backend import backend_of
@@ -66,6 +65,8 @@ def test_a_model_split_between_cuda_and_the_cpu_gives_the_numbers_of_one_device(
 @pytest.mark.hooked_transformer
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices for n_devices=2")
 def test_a_hooked_transformer_on_two_gpus_keeps_each_layer_s_cache_on_its_gpu():
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
     cfg = dict(n_layers=4, d_model=32, n_ctx=32, d_head=8, n_heads=4, d_vocab=50, act_fn="gelu")
     split = HookedTransformer(HookedTransformerConfig(**cfg, n_devices=2, device="cuda", seed=0))
     whole = HookedTransformer(HookedTransformerConfig(**cfg, device="cpu", seed=0))

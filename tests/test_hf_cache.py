@@ -71,7 +71,7 @@ def test_bfloat16_matches_dynamic_cache_bitwise():
 def test_left_padded_batch_with_attention_mask():
     lm = model("qwen2")
     tokens = ids(2, 9)
-    mask = torch.ones(2, 9, dtype=torch.long)
+    mask = torch.ones_like(tokens)
     mask[0, :3] = 0
     full = run(lm, tokens, attention_mask=mask)
     cache = HFKeyValueCache()
@@ -684,7 +684,7 @@ def test_threads_running_forks_of_one_frozen_prefix_give_the_serial_results():
         if wait:
             start.wait()
         steps = [run(lm, tokens[:, i : i + 2], fork) for i in range(0, 6, 2)]
-        prompt = torch.cat([torch.zeros(1, 6, dtype=torch.long), tokens], 1)
+        prompt = torch.cat([torch.zeros_like(tokens), tokens], 1)
         return [*steps, lm.generate(prompt, max_new_tokens=3, do_sample=False, **{arg: fork})]
 
     serial = [branch(seed) for seed in (1, 2, 3, 4)]

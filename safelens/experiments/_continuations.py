@@ -198,7 +198,8 @@ def score_continuations(
     per_row = bytes_per_row(backend, prefix.length, longest)
     device = prefix.tokens.device
     log_probs = torch.zeros(len(rows), longest, dtype=torch.float32, device=device)
-    first = torch.log_softmax(prefix.last_logits[0].float(), dim=-1)
+    # On the tokens' device: the unembedding's may differ in a model split over devices.
+    first = torch.log_softmax(prefix.last_logits[0].float(), dim=-1).to(device)
     batches = _batches(len(rows), per_row, batch_size, memory_budget)
     for batch in _progress(batches, progress, "continuations"):
         picked = [order[i] for i in batch]
@@ -217,7 +218,8 @@ def score_continuations(
         scores[:, 0] = first[tokens[:, 0]]
         if width > 1:
             later = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-            scores[:, 1:] = later.gather(-1, tokens[:, 1:, None])[..., 0]
+            following = tokens[:, 1:, None].to(later.device)
+            scores[:, 1:] = later.gather(-1, following)[..., 0].to(device)
         log_probs[picked, :width] = scores * mask
     keep = (torch.arange(longest)[None] < lengths[:, None]).to(device)
     return ContinuationScores(log_probs, keep, log_probs.sum(dim=-1))

@@ -243,7 +243,9 @@ def generate(
     log_probs = torch.zeros(rows, max_new_tokens, dtype=torch.float32, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     lengths = torch.full((rows,), max_new_tokens, dtype=torch.long, device=device)
-    logits = prefix.last_logits.repeat_interleave(n_samples, dim=0)
+    # Logits come off the unembedding's device; a model split over devices may hold it
+    # apart from the embedding's, where the tokens, the generator and the next pass are.
+    logits = prefix.last_logits.repeat_interleave(n_samples, dim=0).to(device)
     mask = prefix.attention_mask.repeat_interleave(n_samples, dim=0)
     ones = torch.ones(rows, 1, dtype=mask.dtype, device=device)
     for step in range(max_new_tokens):
@@ -264,5 +266,5 @@ def generate(
         if step + 1 < max_new_tokens:
             mask = torch.cat([mask, ones], dim=1)
             with torch.no_grad():
-                logits = backend.forward(token[:, None], mask, branch)[:, -1]
+                logits = backend.forward(token[:, None], mask, branch)[:, -1].to(device)
     return Generation(tokens, lengths, log_probs)
