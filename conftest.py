@@ -4,6 +4,7 @@ temporary folder for the sessions of the Ray instances tests start."""
 import os
 import shutil
 import tempfile
+import time
 
 import pytest
 import torch
@@ -23,7 +24,11 @@ def _ray_temp_dir():
         del os.environ["RAY_TMPDIR"]
     else:
         os.environ["RAY_TMPDIR"] = previous
-    shutil.rmtree(folder, ignore_errors=True)
+    for _ in range(50):  # Ray's helper processes may still write there as they exit
+        shutil.rmtree(folder, ignore_errors=True)
+        if not os.path.exists(folder):
+            break
+        time.sleep(0.1)
 
 
 @pytest.fixture(autouse=True)

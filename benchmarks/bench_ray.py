@@ -12,9 +12,11 @@ The rows: one worker against one process (target: within 1.1×), and N workers a
 one worker (target: at least 0.8·N× its throughput). Each timing is the best of a few
 runs of the whole job after a warm-up run, with the workers' replicas already built
 (building them is a one-time cost per `RayWorkers`, not per job). Every Ray result is
-checked against the one-process result (max abs difference ≤1e-6). The note gives the
-load average when each row was measured: on a machine whose cores are busy with other
-work, N workers cannot get N cores, and the speed-up falls short of N.
+checked against the one-process result (max abs difference ≤1e-6). When the benchmark
+starts Ray itself, its workers run at this process's priority (Ray's default lowers
+them to niceness 15). The note gives the load average when each row was measured: on a
+machine whose cores are busy with other work, N workers cannot get N cores, and the
+speed-up falls short of N.
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ def run(quick: bool = False) -> list[Row]:
         torch.set_num_threads(threads)
     started = not ray.is_initialized()
     if started:
+        # Ray starts its workers at niceness 15, below this process; on a machine busy with
+        # other work that alone would slow them. Compare like with like.
+        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(num_cpus=cores(), include_dashboard=False, log_to_driver=False)
     times: dict[int, float] = {}
     rows = []

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import functools
 import os
+import pickle
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from hf_models import ids, model
+import transformers
+from hf_models import CONFIGS, ids, model
 
 import safelens
 from safelens import (
@@ -31,7 +33,8 @@ from safelens import (
     prefill,
     score_continuations,
 )
-from safelens.distributed._fingerprint import describe
+from safelens.distributed._fingerprint import describe, model_identity
+from safelens.distributed._model_source import ModelSource, model_source
 from safelens.distributed._shard_folder import ShardFolder
 from safelens.patching._dataset import _backend, _pair_bytes
 
@@ -119,7 +122,9 @@ def control(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def workers(ray_instance, control: Path):
-    with RayWorkers(functools.partial(watched_llama, str(control)), n_workers=2) as pool:
+    # Half a CPU each, so that tests can start two more workers beside them.
+    factory = functools.partial(watched_llama, str(control))
+    with RayWorkers(factory, n_workers=2, num_cpus=0.5) as pool:
         yield pool
 
 
@@ -342,6 +347,27 @@ def test_a_live_model_or_a_factory_holding_weights_is_refused():
         RayWorkers("no/such/folder")
     with pytest.raises(ValueError, match=r"num_cpus must be a number > 0"):
         RayWorkers(functools.partial(model, "llama"), num_cpus=0)
+
+
+def test_workers_that_the_cluster_cannot_hold_are_refused(ray_instance):
+    with pytest.raises(ValueError, match=r"num_gpus=1 need 1 GPUs, but the Ray cluster has 0"):
+        RayWorkers(functools.partial(model, "llama"), num_gpus=1)
+    with pytest.raises(ValueError, match=r"3 workers of num_cpus=1 need 3 CPUs, but .* has 2"):
+        RayWorkers(functools.partial(model, "llama"), n_workers=3)
+
+
+def test_a_saved_model_path_builds_the_same_replica(tmp_path: Path):
+    model("llama").save_pretrained(tmp_path)
+    source = model_source(tmp_path, pickle.dumps)
+    assert source == ModelSource(None, str(tmp_path.resolve()))
+    assert model_identity(source.build()) == model_identity(model("llama"))
+
+
+@pytest.mark.slow
+def test_replicas_with_different_weights_are_refused(ray_instance):
+    unseeded = functools.partial(transformers.AutoModelForCausalLM.from_config, CONFIGS["gpt2"]())
+    with pytest.raises(WorkerError, match=r"built different weights on different workers"):
+        RayWorkers(unseeded, n_workers=2, num_cpus=0.5)
 
 
 def test_without_ray_the_error_says_what_to_install(monkeypatch: pytest.MonkeyPatch):

@@ -30,6 +30,7 @@ ANY_BACKEND = (
     ".patching._patterns",
     ".patching._dataset",
     ".patching._attribution",
+    ".distributed.",
 )
 HOOKED_ONLY = {
     name

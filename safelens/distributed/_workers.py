@@ -68,7 +68,8 @@ class RayWorkers:
       the same weights on every call: loaded, or seeded) or the directory of a model
       saved with `save_pretrained`. Not a live model.
     - `n_workers`: how many workers (replicas); by default as many as the Ray cluster's
-      CPUs (GPUs, with `num_gpus`) allow.
+      free CPUs (GPUs, with `num_gpus`) hold. Workers that do not fit wait for Ray to
+      free or add resources.
     - `num_cpus`, `num_gpus`: Ray resources each worker asks for; torch runs
       `max(1, int(num_cpus))` threads on each. A worker with a GPU moves a model its
       factory left on the CPU there.
@@ -76,8 +77,9 @@ class RayWorkers:
 
     **Raises:** `ImportError` without Ray (`pip install 'safelens[ray]'`); `TypeError`
     for a live model or a factory that cannot travel; `ValueError` for resources or
-    counts out of range; [`WorkerError`][safelens.WorkerError] when the replicas differ;
-    what the factory raises.
+    counts out of range, or resources the whole cluster lacks for one worker;
+    [`WorkerError`][safelens.WorkerError] when a worker cannot build the model or the
+    replicas differ.
 
     ```python
     >>> import functools, ray, transformers
@@ -117,7 +119,8 @@ class RayWorkers:
         if self._started_ray:
             ray.init()
         try:
-            count = n_workers or self._fitting_workers()
+            fitting = self._fitting_workers(n_workers)
+            count = n_workers or fitting
             self.actors = [self._start() for _ in range(count)]
             identities = self._identities(self.actors)
             if len(set(identities)) > 1:
@@ -128,9 +131,23 @@ class RayWorkers:
             self.close()
             raise
 
-    def _fitting_workers(self) -> int:
-        available = ray_module().cluster_resources()
-        count = int(available.get("CPU", 1) // self.num_cpus)
+    def _fitting_workers(self, n_workers: int | None) -> int:
+        """How many workers the cluster's free resources hold; a `ValueError` when its
+        whole resources cannot hold `n_workers` (or one): Ray would wait forever."""
+        ray = ray_module()
+        total = ray.cluster_resources()
+        for name, wanted in (("CPU", self.num_cpus), ("GPU", self.num_gpus)):
+            if total.get(name, 0) < wanted * (n_workers or 1):
+                asked = f"num_{name.lower()}s={wanted:g}"
+                if n_workers:
+                    asked = f"{n_workers} workers of {asked}"
+                raise ValueError(
+                    f"{asked} need {wanted * (n_workers or 1):g} {name}s, but the Ray cluster "
+                    f"has {total.get(name, 0):g} in all; ask for less, or start Ray on "
+                    "machines that have them (ray.init(address=...))"
+                )
+        available = ray.available_resources()
+        count = int(available.get("CPU", 0) // self.num_cpus)
         if self.num_gpus:
             count = min(count, int(available.get("GPU", 0) // self.num_gpus))
         return max(1, count)
