@@ -229,3 +229,13 @@ def test_patching_heatmap_quotes_the_published_numbers() -> None:
     assert not missing, f"docs/howto/patching.md's heatmap section does not quote {missing}"
     assert layer_1_keys[0][1] == sweep["keys_peak"]["head"]
     assert source == 10 and sweep["values_peak"]["position"] == 9  # the labels `s10`, `s9`
+
+
+def test_benchmarks_page_opens_with_the_latest_results() -> None:
+    # A reader's first screen is the latest result of each target, with date and versions.
+    lines = (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
+    sections = [line for line in lines if line.startswith("## ")]
+    assert sections[:2] == ["## Latest results", "## Running it"], sections
+    table = lines.index("## Latest results") + 1
+    header = next(i for i in range(table, len(lines)) if lines[i].startswith("| job"))
+    assert header < 20 and "measured" in lines[header] and "versions" in lines[header]
