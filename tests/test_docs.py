@@ -157,7 +157,7 @@ def test_api_reference_renders_factory_made_sweeps(tmp_path: Path) -> None:
     page = (site / "api" / "patching" / "index.html").read_text()
     text = re.sub(r"<[^>]+>", "", page)
     for name in ("get_act_patch_resid_pre", "get_act_patch_attn_head_v_all_pos"):
-        assert re.search(rf"{name}\(\s*model: HookedTransformer,", text), name
+        assert re.search(rf"{name}\(\s*model: SupportedModel,", text), name
     assert "Patch each head's values at all positions" in text
     assert "_sweep_function(" not in text
 

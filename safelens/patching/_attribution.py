@@ -44,6 +44,7 @@ import torch
 from jaxtyping import Float, Int
 
 from ..backends._backend import Backend, backend_of
+from ..backends._supported import SupportedModel
 from ..core._arguments import flag, positive_int
 from ..core._errors import PatchingError
 from ..core._repr import summary_repr
@@ -58,7 +59,7 @@ from ._qk_fix import Scores, key_effects, query_effects
 from ._sweeps import generic_activation_patch
 
 if TYPE_CHECKING:
-    from transformer_lens import ActivationCache, HookedTransformer
+    from transformer_lens import ActivationCache
 
 __all__ = ["AttributionResult", "attribution_patch"]
 
@@ -324,7 +325,7 @@ def _dot(
 
 
 def attribution_patch(
-    model: HookedTransformer | Any,
+    model: SupportedModel,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: ActivationCache,
     patching_metric: Metric,

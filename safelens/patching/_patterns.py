@@ -36,6 +36,7 @@ import torch
 from jaxtyping import Float, Int
 
 from ..backends._backend import backend_of
+from ..backends._supported import SupportedModel
 from ..core._errors import PatchingError
 from ._hf_sites import _tokens
 from ._hf_sweeps import is_seam_model, seam_patch
@@ -178,7 +179,7 @@ def _pattern_sweep(
 
 
 def get_act_patch_attn_head_pattern_by_pos(
-    model: torch.nn.Module,
+    model: SupportedModel,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: Any,
     patching_metric: Metric,
@@ -241,7 +242,7 @@ def get_act_patch_attn_head_pattern_by_pos(
 
 
 def get_act_patch_attn_head_pattern_dest_src_pos(
-    model: torch.nn.Module,
+    model: SupportedModel,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: Any,
     patching_metric: Metric,
@@ -304,7 +305,7 @@ def get_act_patch_attn_head_pattern_dest_src_pos(
 
 
 def get_act_patch_attn_head_pattern_all_pos(
-    model: torch.nn.Module,
+    model: SupportedModel,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: Any,
     patching_metric: Metric,

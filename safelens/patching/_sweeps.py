@@ -42,12 +42,13 @@ that does is refused with a `PatchingError`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import pandas as pd
 import torch
 from jaxtyping import Int
 
+from ..backends._supported import SupportedModel
 from ._hf_sites import TL_NAMES, TL_NAMES_ON_HF
 from ._hf_sweeps import is_seam_model, seam_patch
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
@@ -140,7 +141,8 @@ def _patch(
     from ._inputs import _Sweep
 
     _check_limits(max_batch, max_bytes, progress)
-    sweep = _Sweep(model, corrupted_tokens, clean_cache, activation_name)
+    hooked = cast("HookedTransformer", model)  # neither a bridge nor an HF model
+    sweep = _Sweep(hooked, corrupted_tokens, clean_cache, activation_name)
     shape: tuple[int, ...] = (model.cfg.n_layers,)
     if by_pos:
         shape += (sweep.length,)
@@ -173,7 +175,7 @@ def _idle(sweep: _Sweep, runs: list[Run], axes: list[int]) -> tuple[list[Run], l
 
 
 def generic_activation_patch(
-    model: HookedTransformer,
+    model: SupportedModel,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: ActivationCache,
     patching_metric: Metric,
@@ -196,11 +198,11 @@ def generic_activation_patch(
     clean_activation)` is called once per patch on that run's full-length activation
     `[batch, pos, …]`, and returns it patched (or `None` after editing it in place).
     With one of TransformerLens' own setters, a patch that writes what the corrupted run
-    holds runs no pass (`safelens.patching._unchanged`); any other setter runs for
+    holds runs no pass; any other setter runs for
     every index.
     Patches of `rot_k`, `attn_scores` or `pattern`, whose tensors span every key
     position, always run every position. On a TransformerBridge the setter runs on the
-    bridge's own hook points, every position of each run (`safelens.patching._hf_generic`);
+    bridge's own hook points, every position of each run;
     a plain HuggingFace model is refused.
 
     **Arguments:**
@@ -256,7 +258,8 @@ def generic_activation_patch(
 
     _check_limits(max_batch, max_bytes, progress)
     check_index_choice(index_axis_names, index_df)
-    sweep = _Sweep(model, corrupted_tokens, clean_cache, activation_name)
+    hooked = cast("HookedTransformer", model)  # neither a bridge nor an HF model
+    sweep = _Sweep(hooked, corrupted_tokens, clean_cache, activation_name)
     index_df, shape = _index_grid(sweep, index_axis_names, index_df)
     columns = list(index_df.columns)
     pos_column = columns.index("pos") if "pos" in columns else None
@@ -306,7 +309,7 @@ def _sweep_function(
     name: str, activation: str, what: str, by_pos: bool, with_head: bool, example: str
 ) -> Callable[..., torch.Tensor]:
     def patch(
-        model: HookedTransformer,
+        model: SupportedModel,
         corrupted_tokens: Int[torch.Tensor, "batch pos"],
         clean_cache: ActivationCache,
         patching_metric: Metric,
@@ -332,7 +335,7 @@ def _sweep_function(
             activation,
             by_pos,
             with_head,
-            model,
+            cast("HookedTransformer", model),  # neither a bridge nor an HF model
             corrupted_tokens,
             clean_cache,
             patching_metric,
@@ -355,12 +358,15 @@ def _sweep_function(
 
     Patches `blocks.{{layer}}.{TL_NAMES[activation]}` from `clean_cache`
     into the corrupted run at each [{axes}]{heads}. On a TransformerBridge or a
-    HuggingFace model{seam}, see `safelens.patching._hf_sites` for where it patches
-    (keys at the cache seam, after the rotary embedding: the same patch at one position).
+    HuggingFace model{seam}, the table "What each sweep patches" in the Activation
+    patching how-to (section "TransformerBridge and HuggingFace models") says where it
+    patches (keys at the cache seam, after the rotary embedding: the same patch at one
+    position).
 
     **Arguments:**
 
-    - `model`: a `HookedTransformer`, a TransformerBridge or a HuggingFace causal LM.
+    - `model`: a [`SupportedModel`][safelens.SupportedModel]: a `HookedTransformer`, a
+      `TransformerBridge` or a HuggingFace causal LM.
     - `corrupted_tokens`: `[batch, pos]` tokens of the corrupted run.
     - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`; on a
       HuggingFace model, [`run_with_patching_cache`][safelens.run_with_patching_cache]'s
