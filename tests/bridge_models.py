@@ -16,7 +16,8 @@ import tempfile
 
 import torch
 import transformers
-from hf_models import CONFIGS, tokenizer
+from hf_models import CONFIGS
+from hf_models import tokenizer as _tokenizer  # the bridge tests' name for it
 from transformer_lens.model_bridge import TransformerBridge
 
 FAMILIES = ("llama", "gpt2")
@@ -37,7 +38,7 @@ def reference(name: str = "llama") -> torch.nn.Module:
 def bridge(name: str = "llama", layers: int = 2) -> TransformerBridge:
     """A TransformerBridge over a tiny random-weight HF model of family `name`; cached."""
     with tempfile.TemporaryDirectory() as folder:
-        tokenizer().save_pretrained(folder)
+        _tokenizer().save_pretrained(folder)
         booted = TransformerBridge.boot_transformers(
             folder, hf_model=_hf_model(name, layers), device="cpu"
         )
