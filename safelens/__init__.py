@@ -4,6 +4,7 @@ from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
+from .backends._supported import SupportedModel
 from .core._cache import KeyValueCache
 from .core._cache_entry import KeyValueCacheEntry
 from .core._config import CacheDimensions, parse_dtype
@@ -207,6 +208,7 @@ __all__ = [
     "ablate_write",
     "KeyValueCache",
     "KeyValueCacheEntry",
+    "SupportedModel",
     "HFKeyValueCache",
     "hf_cache_argument",
     "shared_prefix",

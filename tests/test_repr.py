@@ -83,6 +83,17 @@ def test_patching_and_attribution_results_print_shapes_not_values() -> None:
     assert short(repr(result)) and short(repr(attribution))
 
 
+def test_an_ablation_prints_its_reference_caches_by_count() -> None:
+    cache = KeyValueCache()
+    cache.append(0, torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2, 4))
+    ablation = safelens.Ablation("mean", layers=[0, 1], heads=[1], reference=[cache] * 8)
+    text = repr(ablation)
+    assert text.startswith("Ablation(kind='mean', layers=(0, 1), heads=(1,), positions=None")
+    assert "reference=list of 8" in text and short(text)
+    long = safelens.Ablation("zero", layers=0, positions=list(range(100)))
+    assert "positions=tuple of 100" in repr(long) and short(repr(long))
+
+
 def test_caches_and_entries_print_their_sizes() -> None:
     cache = KeyValueCache()
     cache.append(0, torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2, 4))

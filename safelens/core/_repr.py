@@ -4,7 +4,8 @@
 characters for a small model); TransformerLens' `ActivationCache` prints its keys instead.
 `summary_repr` is the `__repr__` of safelens' result dataclasses: fields in order, a tensor
 as `Tensor[1, 12] int64` (its device too, when not the CPU), a tuple or list of tensors as
-their count and shape, a dict by its keys, anything else (a cache) by its own short repr.
+their count and shape, a dict by its keys, a long list by its length, anything else (a
+cache, a short list of positions) by its own repr.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 
 __all__ = ["summary_repr"]
 
+_LONGEST = 60  # a longer list (of positions, say) prints as its length
+
 
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
@@ -23,12 +26,15 @@ def _describe(value: Any) -> str:
         return f"Tensor{list(value.shape)} {str(value.dtype).removeprefix('torch.')}{device}"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{key!r}: {_describe(item)}" for key, item in value.items()) + "}"
-    if isinstance(value, (tuple, list)) and value:
+    if isinstance(value, (tuple, list)) and any(isinstance(item, torch.Tensor) for item in value):
         kinds = {_describe(item) for item in value}
         if len(kinds) == 1:
             return f"{type(value).__name__} of {len(value)} × {kinds.pop()}"
         return f"{type(value).__name__} of {len(value)}"
-    return repr(value)
+    text = repr(value)
+    if len(text) > _LONGEST and isinstance(value, (tuple, list)):
+        return f"{type(value).__name__} of {len(value)}"
+    return text
 
 
 def summary_repr(self: Any) -> str:

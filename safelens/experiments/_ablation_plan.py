@@ -35,6 +35,7 @@ from jaxtyping import Int
 from ..backends._backend import CacheLayout, CacheOps, CacheShape, cache_ops
 from ..core._arguments import as_index
 from ..core._errors import CacheShapeError
+from ..core._repr import summary_repr
 from ._prefix import Prefix
 
 __all__ = ["Ablation"]
@@ -112,7 +113,7 @@ def _is_cache(value: Any) -> bool:
     return True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Ablation:
     """What to ablate in a prefix's keys/values, and with what.
 
@@ -146,6 +147,8 @@ class Ablation:
 
     ```
     """
+
+    __repr__ = summary_repr  # a reference tensor by its shape, not by value
 
     kind: AblationKind
     layers: Indices

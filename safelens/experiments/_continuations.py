@@ -31,6 +31,7 @@ import torch
 from jaxtyping import Float, Int
 
 from ..backends._backend import Backend
+from ..backends._supported import SupportedModel
 from ..core._arguments import flag, positive_int
 from ..core._errors import CacheShapeError, TokenError
 from ..core._repr import summary_repr
@@ -134,7 +135,7 @@ def _progress(items: list[range], progress: bool | None, what: str) -> Any:
 
 
 def score_continuations(
-    model: torch.nn.Module,
+    model: SupportedModel,
     prefix: Prefix,
     continuations: Sequence[Int[torch.Tensor, " new_tokens"] | list[int]]
     | Int[torch.Tensor, "n new_tokens"],

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from jaxtyping import Float, Int
 
+from ..backends._supported import SupportedModel
 from ..core._arguments import finite_number, flag, integer, positive_int
 from ..core._errors import TokenError
 from ..core._repr import summary_repr
@@ -148,7 +149,7 @@ def _token_ids(values: Any, d_vocab: int, name: str) -> torch.Tensor:
 
 
 def generate(
-    model: torch.nn.Module,
+    model: SupportedModel,
     prefix: Prefix,
     max_new_tokens: int,
     n_samples: int = 1,

@@ -34,6 +34,7 @@ import torch
 from jaxtyping import Float, Int
 
 from ..backends._backend import Backend, backend_of, cache_ops
+from ..backends._supported import SupportedModel
 from ..core._arguments import flag, integer
 from ..core._errors import CacheConfigError, CacheShapeError, FrozenCacheError, TokenError
 from ..core._repr import summary_repr
@@ -225,7 +226,7 @@ def _prefix_mask(backend: Backend, tokens: torch.Tensor, attention_mask: Any) ->
 
 
 def prefill(
-    model: torch.nn.Module,
+    model: SupportedModel,
     tokens_or_text: Int[torch.Tensor, "batch pos"] | str | list[str] | list[int],
     attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
     keep_residuals: bool = True,

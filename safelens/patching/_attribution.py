@@ -41,6 +41,7 @@ import torch
 from jaxtyping import Float, Int
 
 from ..backends._backend import Backend, backend_of
+from ..backends._supported import SupportedModel
 from ..core._arguments import flag, positive_int
 from ..core._errors import PatchingError
 from ..core._repr import summary_repr
@@ -54,7 +55,7 @@ from ._qk_fix import key_effects, query_effects, scores_function
 from ._sweeps import generic_activation_patch
 
 if TYPE_CHECKING:
-    from transformer_lens import ActivationCache, HookedTransformer
+    from transformer_lens import ActivationCache
 
 __all__ = ["AttributionResult", "attribution_patch"]
 
@@ -251,7 +252,7 @@ def effects(
 
 
 def attribution_patch(
-    model: HookedTransformer | Any,
+    model: SupportedModel,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: ActivationCache | dict[str, torch.Tensor],
     patching_metric: Metric,

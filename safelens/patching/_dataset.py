@@ -44,6 +44,7 @@ from jaxtyping import Float, Int
 from tqdm import tqdm
 
 from ..backends._backend import Backend, backend_of
+from ..backends._supported import SupportedModel
 from ..core._arguments import described, flag, is_int, positive_int
 from ..core._errors import PatchingError
 from ..core._repr import summary_repr
@@ -230,7 +231,7 @@ def pair_tokens(
 
 def patch_dataset(
     sweep: Callable[..., torch.Tensor],
-    model: Any,
+    model: SupportedModel,
     clean_tokens: Int[torch.Tensor, "pairs pos"],
     corrupted_tokens: Int[torch.Tensor, "pairs pos"],
     metric: PairMetric,

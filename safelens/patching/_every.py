@@ -42,6 +42,7 @@ import torch
 from jaxtyping import Float, Int
 
 from ..backends._backend import backend_of
+from ..backends._supported import SupportedModel
 from ..core._errors import PatchingError
 from ._hf_sites import TL_NAMES, _tokens, clean_activation, site_of
 from ._hf_sweeps import is_seam_model
@@ -174,7 +175,7 @@ def _pattern_by_dest_pos(*args: Any, **kwargs: Any) -> Float[torch.Tensor, "laye
 
 
 def get_act_patch_block_every(
-    model: torch.nn.Module,
+    model: SupportedModel,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: Any,
     metric: Metric,
@@ -242,7 +243,7 @@ def get_act_patch_block_every(
 
 
 def get_act_patch_attn_head_all_pos_every(
-    model: torch.nn.Module,
+    model: SupportedModel,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: Any,
     metric: Metric,
@@ -275,9 +276,9 @@ def get_act_patch_attn_head_all_pos_every(
 
     **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
     token ids of this model; [`PatchingError`][safelens.PatchingError] for a family
-    without one of the sites (see `safelens.patching._hf_sites`), a bridge whose
-    attention does not use `hook_pattern` (see
-    `safelens.patching._patterns`), a clean cache missing an activation or of another
+    without one of the sites (the "Patching sites" page says which), a bridge whose
+    attention does not use `hook_pattern` (found by one probe pass), a clean cache
+    missing an activation or of another
     length, a model, metric result or limit that does not fit, naming it; the model
     and the clean cache are checked before any sweep runs.
 
@@ -313,7 +314,7 @@ def get_act_patch_attn_head_all_pos_every(
 
 
 def get_act_patch_attn_head_by_pos_every(
-    model: torch.nn.Module,
+    model: SupportedModel,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: Any,
     metric: Metric,
@@ -348,9 +349,9 @@ def get_act_patch_attn_head_by_pos_every(
 
     **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
     token ids of this model; [`PatchingError`][safelens.PatchingError] for a family
-    without one of the sites (see `safelens.patching._hf_sites`), a bridge whose
-    attention does not use `hook_pattern` (see
-    `safelens.patching._patterns`), a clean cache missing an activation or of another
+    without one of the sites (the "Patching sites" page says which), a bridge whose
+    attention does not use `hook_pattern` (found by one probe pass), a clean cache
+    missing an activation or of another
     length, a model, metric result or limit that does not fit, naming it; the model
     and the clean cache are checked before any sweep runs.
 

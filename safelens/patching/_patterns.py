@@ -38,6 +38,7 @@ import torch
 from jaxtyping import Float, Int
 
 from ..backends._backend import backend_of
+from ..backends._supported import SupportedModel
 from ..core._errors import PatchingError
 from ._hf_sites import _tokens
 from ._hf_sweeps import is_seam_model, seam_patch
@@ -180,7 +181,7 @@ def _pattern_sweep(
 
 
 def get_act_patch_attn_head_pattern_by_pos(
-    model: torch.nn.Module,
+    model: SupportedModel,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: Any,
     patching_metric: Metric,
@@ -244,7 +245,7 @@ def get_act_patch_attn_head_pattern_by_pos(
 
 
 def get_act_patch_attn_head_pattern_dest_src_pos(
-    model: torch.nn.Module,
+    model: SupportedModel,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: Any,
     patching_metric: Metric,
@@ -308,7 +309,7 @@ def get_act_patch_attn_head_pattern_dest_src_pos(
 
 
 def get_act_patch_attn_head_pattern_all_pos(
-    model: torch.nn.Module,
+    model: SupportedModel,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: Any,
     patching_metric: Metric,

@@ -42,12 +42,13 @@ that does is refused with a `PatchingError`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import pandas as pd
 import torch
 from jaxtyping import Int
 
+from ..backends._supported import SupportedModel
 from ._hf_sites import TL_NAMES
 from ._hf_sweeps import is_seam_model, seam_patch
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
@@ -141,7 +142,8 @@ def _patch(
     from ._inputs import _Sweep
 
     _check_limits(max_batch, max_bytes, progress)
-    sweep = _Sweep(model, corrupted_tokens, clean_cache, activation_name)
+    hooked = cast("HookedTransformer", model)  # neither a bridge nor an HF model
+    sweep = _Sweep(hooked, corrupted_tokens, clean_cache, activation_name)
     shape: tuple[int, ...] = (model.cfg.n_layers,)
     if by_pos:
         shape += (sweep.length,)
@@ -174,7 +176,7 @@ def _idle(sweep: _Sweep, runs: list[Run], axes: list[int]) -> tuple[list[Run], l
 
 
 def generic_activation_patch(
-    model: HookedTransformer,
+    model: SupportedModel,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: ActivationCache,
     patching_metric: Metric,
@@ -197,13 +199,13 @@ def generic_activation_patch(
     clean_activation)` is called once per patch on that run's full-length activation
     `[batch, pos, …]`, and returns it patched (or `None` after editing it in place).
     With one of TransformerLens' own setters, a patch that writes what the corrupted run
-    holds runs no pass (`safelens.patching._unchanged`); any other setter runs for
+    holds runs no pass; any other setter runs for
     every index.
     Patches of `rot_k`, `attn_scores` or `pattern`, whose tensors span every key
     position, always run every position. On a TransformerBridge the setter runs on the
-    bridge's own hook points, every position of each run (`safelens.patching._hf_generic`);
-    on a plain HuggingFace model at the site of `activation_name`
-    (`safelens.patching._hf_sites`), both tensors in TransformerLens' layout.
+    bridge's own hook points, every position of each run; on a plain HuggingFace model
+    at the site of `activation_name` (the "Patching sites" page says where each is),
+    both tensors in TransformerLens' layout.
 
     **Arguments:**
 
@@ -258,7 +260,8 @@ def generic_activation_patch(
 
     _check_limits(max_batch, max_bytes, progress)
     check_index_choice(index_axis_names, index_df)
-    sweep = _Sweep(model, corrupted_tokens, clean_cache, activation_name)
+    hooked = cast("HookedTransformer", model)  # neither a bridge nor an HF model
+    sweep = _Sweep(hooked, corrupted_tokens, clean_cache, activation_name)
     index_df, shape = _index_grid(sweep, index_axis_names, index_df)
     columns = list(index_df.columns)
     pos_column = columns.index("pos") if "pos" in columns else None
@@ -308,7 +311,7 @@ def _sweep_function(
     name: str, activation: str, what: str, by_pos: bool, with_head: bool, example: str
 ) -> Callable[..., torch.Tensor]:
     def patch(
-        model: HookedTransformer,
+        model: SupportedModel,
         corrupted_tokens: Int[torch.Tensor, "batch pos"],
         clean_cache: ActivationCache,
         patching_metric: Metric,
@@ -334,7 +337,7 @@ def _sweep_function(
             activation,
             by_pos,
             with_head,
-            model,
+            cast("HookedTransformer", model),  # neither a bridge nor an HF model
             corrupted_tokens,
             clean_cache,
             patching_metric,
@@ -352,13 +355,14 @@ def _sweep_function(
 
     Patches `blocks.{{layer}}.{TL_NAMES[activation]}` from `clean_cache`
     into the corrupted run at each [{axes}]{heads}. On a TransformerBridge or a
-    HuggingFace model, see `safelens.patching._hf_sites` for where it patches (keys and
-    queries after the rotary embedding: the same patch at one position) and the docs'
-    "Patching sites" page for what each family holds there.
+    HuggingFace model, the "Patching sites" page says where it patches (keys and
+    queries after the rotary embedding: the same patch at one position) and what each
+    family holds there.
 
     **Arguments:**
 
-    - `model`: a `HookedTransformer`, a TransformerBridge or a HuggingFace causal LM.
+    - `model`: a [`SupportedModel`][safelens.SupportedModel]: a `HookedTransformer`, a
+      `TransformerBridge` or a HuggingFace causal LM.
     - `corrupted_tokens`: `[batch, pos]` tokens of the corrupted run.
     - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`; on a
       HuggingFace model, [`run_with_patching_cache`][safelens.run_with_patching_cache]'s
