@@ -134,12 +134,12 @@ def test_what_needs_evicted_positions_refuses_a_cache_that_dropped_them():
     lm, tokens = model("mistral"), ids(1, 9)
     ours, theirs = filled("mistral", tokens)
     before = state(ours)
-    with pytest.raises(ValueError, match=r"cropped\(5\): sliding-window layers \[0, 1\]"):
+    with pytest.raises(CacheShapeError, match=r"cropped\(5\): sliding-window layers \[0, 1\]"):
         ours.cropped(5)
     assert ours.cropped(9).get_seq_length() == 9
     with pytest.raises(RuntimeError, match="does not track past states"):
         theirs.crop(-1)
-    with pytest.raises(ValueError, match=r"crop\(-1\): layer 0 is a sliding-window layer"):
+    with pytest.raises(CacheShapeError, match=r"crop\(-1\): layer 0 is a sliding-window layer"):
         ours.crop(-1)
     with pytest.raises(CacheShapeError, match=r"sliding-window layers \[0, 1\] hold only"):
         ours.save("unused.safetensors")

@@ -295,7 +295,7 @@ class HFKeyValueCache(TransformersCache):
             )
         slid = [layer.layer for layer in self.layers if layer.evicted]
         if slid and kept < total:
-            raise ValueError(
+            raise CacheShapeError(
                 f"cropped({length}): sliding-window layers {slid} hold only their last "
                 "positions (as DynamicCache holds them), not the ones a shorter cache would "
                 "read; make the cache with HFKeyValueCache() (no config), which keeps every "

@@ -324,7 +324,8 @@ class HFCacheLayer(CacheLayerMixin):
         `DynamicSlidingWindowLayer.crop` does; once it has dropped positions, only what it
         recorded since `activate_past_recording` can be dropped.
 
-        **Raises:** `ValueError` for more positions than the layer still holds.
+        **Raises:** [`CacheShapeError`][safelens.CacheShapeError] for positions a
+        sliding-window layer no longer holds; the layer is then unchanged.
         """
         if self._keys is None or self._values is None:
             return
@@ -334,7 +335,7 @@ class HFCacheLayer(CacheLayerMixin):
         elif tokens_to_remove > held or (
             self.evicted and tokens_to_remove and not self.record_past
         ):
-            raise ValueError(
+            raise CacheShapeError(
                 f"crop(-{tokens_to_remove}): layer {self.layer} is a sliding-window layer "
                 f"that holds only its last {held} of {self.get_seq_length()} positions, so it "
                 "cannot drop positions past them; call cache.activate_past_recording() before "

@@ -59,9 +59,9 @@ class TransformersCache(Cache):
         is refused, as transformers 5 refuses it, so `cache.crop(4)` written with
         `KeyValueCache.crop`'s meaning fails instead of cutting this cache in place.
 
-        **Raises:** `ValueError` for a positive `tokens_to_remove` (naming `cropped`), or
-        for a sliding-window layer asked to drop positions it no longer holds (as
-        `DynamicCache` refuses it); [`FrozenCacheError`][safelens.FrozenCacheError] when
+        **Raises:** `ValueError` for a positive `tokens_to_remove` (naming `cropped`);
+        [`CacheShapeError`][safelens.CacheShapeError] for a sliding-window layer asked to
+        drop positions it no longer holds (as `DynamicCache` refuses it); [`FrozenCacheError`][safelens.FrozenCacheError] when
         frozen and the call would drop something. The cache is then unchanged.
 
         ```python
