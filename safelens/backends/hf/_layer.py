@@ -218,6 +218,8 @@ class HFCacheLayer(CacheLayerMixin):
             new_values = self.hook_v_new(new_values)
         if store and self._keys is None:
             self.lazy_initialization(new_keys, new_values)
+        # What the returned tensors begin with: a sliding layer replaces its storage.
+        keys_read, values_read = self._keys, self._values
         if self.sliding_window is None:
             full_keys = _write(self._keys, new_keys, store)
             full_values = _write(self._values, new_values, store)
@@ -231,7 +233,7 @@ class HFCacheLayer(CacheLayerMixin):
             full_values = self.hook_v_full(full_values.clone())
         # Under `shared_prefix`, attention may read a broadcast prefix from storage instead.
         exact = exact and not (self.hook_k_full.fwd_hooks or self.hook_v_full.fwd_hooks)
-        note_read(self._keys, self._values, full_keys, full_values, exact)
+        note_read(keys_read, values_read, full_keys, full_values, exact)
         return full_keys, full_values
 
     def _slide(
