@@ -38,7 +38,7 @@ def reference(name: str = "llama") -> torch.nn.Module:
 def bridge(name: str = "llama", layers: int = 2) -> TransformerBridge:
     """A TransformerBridge over a tiny random-weight HF model of family `name`; cached."""
     with tempfile.TemporaryDirectory() as folder:
-        _tokenizer().save_pretrained(folder)
+        tokenizer().save_pretrained(folder)
         booted = TransformerBridge.boot_transformers(
             folder, hf_model=_hf_model(name, layers), device=DEVICE
         )

@@ -4,8 +4,9 @@
 is registered as one by transformers (`register_dynamic_cache_export_support`);
 `register_cache_pytree` registers [`HFKeyValueCache`][safelens.HFKeyValueCache] the same
 way when it is imported: its leaves are each layer's head-major keys and values, in layer
-order (layers that hold nothing yet have none); its context is the layer count, which
-layers hold something, the hook naming and the frozen flag. Rebuilt, a cache holds those
+order (layers that hold nothing yet have none); its context is which layers hold
+something, the hook naming, the frozen flag and each layer's sliding window and evicted
+positions. Rebuilt, a cache holds those
 tensors in storage of its own and behaves as the cache flattened: a frozen one stores
 nothing in the exported program either.
 
@@ -25,14 +26,16 @@ from ._layer import HFCacheLayer, HookNaming
 
 __all__ = ["register_cache_pytree"]
 
-# (n_layers, layers that hold something, naming, frozen)
-Context = tuple[int, tuple[int, ...], HookNaming, bool]
+# (layers that hold something, naming, frozen, each layer's window and evicted positions)
+Context = tuple[tuple[int, ...], HookNaming, bool, tuple[int | None, ...], tuple[int, ...]]
 
 
 def _flatten(cache: Any) -> tuple[list[torch.Tensor], Context]:
     held = tuple(i for i, layer in enumerate(cache.layers) if layer.keys is not None)
     leaves = [t for i in held for t in (cache.layers[i].keys, cache.layers[i].values)]
-    return leaves, (len(cache.layers), held, cache.naming, bool(cache._frozen))
+    windows = tuple(layer.sliding_window for layer in cache.layers)
+    evicted = tuple(layer.evicted for layer in cache.layers)
+    return leaves, (held, cache.naming, bool(cache._frozen), windows, evicted)
 
 
 def _flatten_with_keys(cache: Any) -> tuple[list[tuple[Any, torch.Tensor]], Context]:
@@ -55,20 +58,16 @@ def register_cache_pytree(cls: type) -> None:
     """
 
     def unflatten(values: Any, context: Context) -> Any:
-        n_layers, held, naming, frozen = context
+        held, naming, frozen, windows, evicted = context
         cache = cls(naming=naming)
-        pairs = iter(list(values))
-        for i in range(n_layers):
+        cache._windows = list(windows)
+        leaves = iter(list(values))
+        for i, (window, dropped) in enumerate(zip(windows, evicted, strict=True)):
             if i in held:
-                keys, values_ = next(pairs), next(pairs)
-                layer = HFCacheLayer(
-                    i,
-                    Sequence.of(keys.transpose(1, 2)),
-                    Sequence.of(values_.transpose(1, 2)),
-                    naming,
-                )
+                keys, values_ = (Sequence.of(next(leaves).transpose(1, 2)) for _ in range(2))
+                layer = HFCacheLayer(i, keys, values_, naming, window, dropped)
             else:
-                layer = HFCacheLayer(i, naming=naming)
+                layer = HFCacheLayer(i, naming=naming, sliding_window=window)
             cache.layers.append(layer)
         cache._frozen = frozen
         return cache

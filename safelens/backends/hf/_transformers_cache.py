@@ -52,15 +52,17 @@ class TransformersCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """In place, as HuggingFace's: `crop(-k)` drops the last `k` positions of every layer.
 
-        `crop(0)` changes nothing (`generate` calls it so). This is not
+        `crop(0)` drops nothing (`generate` calls it so), but a sliding-window layer that
+        recorded past its window keeps only the window again, as `DynamicCache`'s. This is not
         [`KeyValueCache.crop`][safelens.KeyValueCache.crop], which returns a new cache:
         that is [`cropped`][safelens.HFKeyValueCache.cropped] here. A positive argument
         is refused, as transformers 5 refuses it, so `cache.crop(4)` written with
         `KeyValueCache.crop`'s meaning fails instead of cutting this cache in place.
 
         **Raises:** `ValueError` for a positive `tokens_to_remove` (naming `cropped`);
-        [`FrozenCacheError`][safelens.FrozenCacheError] when frozen and the call would
-        drop something.
+        [`CacheShapeError`][safelens.CacheShapeError] for a sliding-window layer asked to
+        drop positions it no longer holds (as `DynamicCache` refuses it); [`FrozenCacheError`][safelens.FrozenCacheError] when
+        frozen and the call would drop something. The cache is then unchanged.
 
         ```python
         >>> cache = HFKeyValueCache()
@@ -83,11 +85,23 @@ class TransformersCache(Cache):
                 f"KeyValueCache.crop({tokens_to_remove}) returns) use "
                 f"cropped({tokens_to_remove})"
             )
-        if not any(layer.get_seq_length() for layer in self.layers) or tokens_to_remove == 0:
+        if not any(layer.get_seq_length() for layer in self.layers):
+            return
+        if tokens_to_remove == 0:
+            # As `DynamicCache`: a sliding layer that recorded past its window drops it.
+            if not self._frozen:
+                for layer in self.layers:
+                    layer.crop_(0)
             return
         self._mutable(f"crop({tokens_to_remove})")
-        for layer in self.layers:
-            layer.replace(lambda seq: seq.crop(max(seq.length + tokens_to_remove, 0)))
+        restores = [layer.snapshot() for layer in self.layers]
+        try:
+            for layer in self.layers:
+                layer.crop_(-tokens_to_remove)
+        except BaseException:
+            for restore in restores:
+                restore()
+            raise
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """In place: batch row `i` becomes row `beam_idx[i]` (beam search)."""
@@ -148,8 +162,8 @@ class TransformersCache(Cache):
 
     @property
     def is_sliding(self) -> list[bool]:
-        """False for every layer: nothing is evicted, the mask applies any window."""
-        return [False] * len(self.layers)
+        """Per layer, whether it keeps only a window (made so by `HFKeyValueCache(config=)`)."""
+        return [layer.is_sliding for layer in self.layers]
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         """-1: no maximum length."""
