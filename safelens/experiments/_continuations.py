@@ -34,7 +34,7 @@ from ..backends._backend import Backend
 from ..core._arguments import flag, positive_int
 from ..core._errors import CacheShapeError, TokenError
 from ..core._tokens import check_tokens
-from ._prefix import Prefix, check_prefix, token_limits
+from ._prefix import Prefix, check_prefix, runner_of, token_limits
 
 __all__ = ["ContinuationScores", "score_continuations"]
 
@@ -197,6 +197,7 @@ def score_continuations(
     log_probs = torch.zeros(len(rows), longest, dtype=torch.float32, device=device)
     first = torch.log_softmax(prefix.last_logits[0].float(), dim=-1)
     batches = _batches(len(rows), per_row, batch_size, memory_budget)
+    runner = runner_of(backend, prefix)
     for batch in _progress(batches, progress, "continuations"):
         picked = [order[i] for i in batch]
         width = int(lengths[picked[0]])
@@ -209,7 +210,7 @@ def score_continuations(
         cache.freeze()
         full_mask = torch.cat([prefix.attention_mask.expand(len(picked), -1), mask], dim=1)
         with torch.no_grad():
-            logits = backend.forward_continuations(tokens, full_mask, cache)
+            logits = runner.forward_continuations(tokens, full_mask, cache)
         scores = torch.empty(len(picked), width, dtype=torch.float32, device=device)
         scores[:, 0] = first[tokens[:, 0]]
         if width > 1:

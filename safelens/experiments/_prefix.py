@@ -38,7 +38,7 @@ from ..core._arguments import flag, integer
 from ..core._errors import CacheConfigError, CacheShapeError, FrozenCacheError, TokenError
 from ..core._tokens import check_tokens
 
-__all__ = ["Prefix", "check_prefix", "prefill", "token_limits"]
+__all__ = ["Prefix", "check_prefix", "prefill", "runner_of", "token_limits"]
 
 
 def token_limits(backend: Backend) -> SimpleNamespace:
@@ -281,11 +281,32 @@ def prefill(
     keep = keep_residuals and backend.reuses_residuals
     layers = range(backend.n_layers) if keep else range(0)
     hooks = [(backend.residual_hook(i), keeper(i)) for i in layers]
-    with torch.no_grad(), backend.pass_hooks(cache, hooks):
-        logits = backend.forward(tokens, mask, cache)
+    runner = backend if hooks else backend.twin()
+    with torch.no_grad(), runner.pass_hooks(cache, hooks):
+        last = runner.forward_last(tokens, mask, cache)
     cache.freeze()
+    if runner is not backend and not _same_numbers(backend, runner, cache, tokens, mask):
+        cache = backend.empty_cache(tokens.shape[0])
+        with torch.no_grad():
+            last = backend.forward_last(tokens, mask, cache)
+        cache.freeze()
     kept = tuple(residuals[i] for i in layers) if keep else None
-    return Prefix(cache, tokens, mask, logits[:, -1], kept)
+    return Prefix(cache, tokens, mask, last, kept)
+
+
+def _same_numbers(
+    backend: Backend, twin: Backend, cache: Any, tokens: torch.Tensor, mask: torch.Tensor
+) -> bool:
+    with torch.no_grad():
+        return backend.same_numbers(twin, cache, tokens, mask)
+
+
+def runner_of(backend: Backend, prefix: Prefix) -> Backend:
+    """The backend to run `prefix`'s continuations on: `backend`'s twin where it gives
+    `backend`'s numbers on the prefix's last position, else `backend` (no hook attached)."""
+    twin = backend.twin()
+    same = _same_numbers(backend, twin, prefix.cache, prefix.tokens, prefix.attention_mask)
+    return twin if same else backend
 
 
 def check_prefix(model: Any, prefix: Prefix, what: str) -> Backend:
