@@ -391,6 +391,28 @@ def test_a_plain_model_that_computes_otherwise_is_not_used(monkeypatch, passes):
     assert passes == [*rerun, *checks, ("bridge", 3), *checks, *[("bridge", 1)] * 4]
 
 
+def test_a_plain_model_that_fails_leaves_the_passes_on_the_bridge(monkeypatch, passes):
+    model, tokens = bridge("llama"), ids(1, 9)
+    expected = experiments(model, tokens)
+    broken = copy.deepcopy(reference("llama"))
+
+    def fail(module, args):
+        raise RuntimeError("the plain model cannot run this")
+
+    broken.model.layers[1].mlp.register_forward_pre_hook(fail)
+    monkeypatch.setattr(BridgeBackend, "plain", lambda self: HFBackend(broken))
+    passes.clear()
+    got = experiments(model, tokens)
+    torch.testing.assert_close(got[1], expected[1], **TOL)
+    assert torch.equal(got[2], expected[2])
+    checks = [("bridge", 1), ("hf", 1)]
+    assert passes == [
+        *[("hf", 6), ("bridge", 6)],
+        *[*checks, ("bridge", 3)],
+        *[*checks, *[("bridge", 1)] * 4],
+    ]
+
+
 def test_compatibility_mode_experiments_equal_the_bridges_uncached_forward():
     with tempfile.TemporaryDirectory() as folder:
         _tokenizer().save_pretrained(folder)

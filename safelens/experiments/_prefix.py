@@ -281,17 +281,33 @@ def prefill(
     keep = keep_residuals and backend.reuses_residuals
     layers = range(backend.n_layers) if keep else range(0)
     hooks = [(backend.residual_hook(i), keeper(i)) for i in layers]
-    runner = backend if hooks else backend.twin()
-    with torch.no_grad(), runner.pass_hooks(cache, hooks):
-        last = runner.forward_last(tokens, mask, cache)
+    on_twin = None if hooks else _on_twin(backend, tokens, mask)
+    if on_twin is not None:
+        return Prefix(on_twin[0], tokens, mask, on_twin[1])
+    with torch.no_grad(), backend.pass_hooks(cache, hooks):
+        last = backend.forward_last(tokens, mask, cache)
     cache.freeze()
-    if runner is not backend and not _same_numbers(backend, runner, cache, tokens, mask):
-        cache = backend.empty_cache(tokens.shape[0])
-        with torch.no_grad():
-            last = backend.forward_last(tokens, mask, cache)
-        cache.freeze()
     kept = tuple(residuals[i] for i in layers) if keep else None
     return Prefix(cache, tokens, mask, last, kept)
+
+
+def _on_twin(
+    backend: Backend, tokens: torch.Tensor, mask: torch.Tensor
+) -> tuple[Any, torch.Tensor] | None:
+    """`prefill`'s frozen cache and last logits from `backend`'s twin (`Backend.twin`), or
+    `None`: no twin, or one that fails or does not give `backend`'s numbers (no hook of
+    the user's is attached, so a failure is the twin's own)."""
+    twin = backend.twin()
+    if twin is backend:
+        return None
+    cache = backend.empty_cache(tokens.shape[0])
+    try:
+        with torch.no_grad():
+            last = twin.forward_last(tokens, mask, cache)
+    except Exception:  # noqa: BLE001 - the pass runs on the bridge instead
+        return None
+    cache.freeze()
+    return (cache, last) if _same_numbers(backend, twin, cache, tokens, mask) else None
 
 
 def _same_numbers(

@@ -129,13 +129,18 @@ class BridgeBackend(HFBackend):
     ) -> bool:
         """Whether `twin` gives the bridge's logits for the last of `tokens` after the others.
 
-        One pass of that position through each, on branches of `cache` cropped before it.
+        One pass of that position through each, on branches of `cache` cropped before it;
+        a twin whose pass raises does not.
         """
         if twin is self:
             return True
         last = tokens[:, -1:]
         ours = self.forward(last, attention_mask, cache.cropped(-1))
-        return agrees(twin.forward(last, attention_mask, cache.cropped(-1)), ours)
+        try:
+            theirs = twin.forward(last, attention_mask, cache.cropped(-1))
+        except Exception:  # noqa: BLE001 - no hook of the user's is attached: the twin's own
+            return False
+        return agrees(theirs, ours)
 
     def write_hook(self, layer: int, target: Literal["keys", "values"]) -> str:
         return BRIDGE_CACHE.layout.hook_name(layer, f"hook_{target[0]}_new")
