@@ -18,9 +18,11 @@ the same model and inputs, numbers checked to agree in the run:
   generated tokens must be identical.
 - The continuation and generation rows again through a `TransformerBridge` booted
   offline over the same weights (the one-forward-each reference is then the bridge's
-  own forward; HF's best way and `generate` run on the plain HF model). The bridge
-  computes attention in its own components, not through transformers'
-  `AttentionInterface`, so `shared_prefix` does not apply there.
+  own forward; HF's best way and `generate` run on the plain HF model). With no hook
+  attached to the bridge, safelens runs these passes on the bridge's plain HuggingFace
+  model (the same parameter tensors without the bridge's components, so
+  `shared_prefix` applies), after checking one pass of the prefix's last token against
+  the bridge; with a hook attached every pass goes through the bridge's own components.
 
 Run: `python -m benchmarks.bench_hf [--quick]`.
 """
@@ -331,7 +333,7 @@ def run(quick: bool = False) -> list[Row]:
         bridged = continuation_rows(bridge, model, sizes, BRIDGE)
         bridged.append(generation_row(bridge, model, sizes, BRIDGE))
     for row in bridged:
-        row.note = f"{row.note}; the bridge's attention is its own: no shared-prefix read"
+        row.note = f"{row.note}; no hook attached: passes on the bridge's plain HF model"
     return rows + bridged
 
 

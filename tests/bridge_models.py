@@ -17,7 +17,7 @@ import tempfile
 import torch
 import transformers
 from devices import DEVICE
-from hf_models import CONFIGS
+from hf_models import CONFIGS, tokenizer
 from transformer_lens.model_bridge import TransformerBridge
 
 FAMILIES = ("llama", "gpt2")

@@ -10,13 +10,16 @@ side of transformers 5.24's `past_key_values=` -> `cache=` rename.
 from __future__ import annotations
 
 import contextlib
+import copy
+import tempfile
 
 import pytest
 import torch
 import transformers
-from bridge_models import FAMILIES, bridge, reference
+from bridge_models import FAMILIES, _hf_model, _tokenizer, bridge, reference
 from hf_models import ids, run
 from packaging.version import Version
+from transformer_lens.model_bridge import TransformerBridge
 from transformers import DynamicCache
 
 from safelens import (
@@ -35,7 +38,10 @@ from safelens import (
 )
 from safelens.backends._backend import backend_of
 from safelens.backends.bridge import _cache_pass
+from safelens.backends.bridge._backend import BridgeBackend
 from safelens.backends.bridge._cache_pass import attention_modules, cache_pass
+from safelens.backends.hf._backend import HFBackend
+from safelens.core._thread_hooks import hooked_anywhere
 
 RENAMED = Version(transformers.__version__) >= Version("5.24")
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -304,3 +310,117 @@ def test_ablations_equal_hf_with_an_edited_cache_and_the_bridges_own_edit():
         (a.log_probs - b.log_probs).abs().max() for a, b in [(read, plain), (write, read)]
     ]
     assert min(differences) > 1e-4, differences
+
+
+# -- unhooked passes on the bridge's plain model -----------------------------------------
+
+
+@pytest.fixture
+def passes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """`(family, new tokens)` of every pass run, in order: `bridge` or `hf` (the plain model)."""
+    seen: list[tuple[str, int]] = []
+    for backend in (BridgeBackend, HFBackend):
+        original = backend._call
+
+        def spy(self, tokens, *args, _original=original, **kwargs):
+            seen.append((self.family, tokens.shape[1]))
+            return _original(self, tokens, *args, **kwargs)
+
+        monkeypatch.setattr(backend, "_call", spy)
+    return seen
+
+
+def experiments(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Last logits of a 6-token prefix, scores of its continuation, 5 greedy tokens."""
+    prefix = prefill(model, tokens[:, :6])
+    scores = score_continuations(model, prefix, [tokens[0, 6:], tokens[0, 6:8]])
+    return prefix.last_logits, scores.log_probs, generate(model, prefix, 5).tokens
+
+
+def test_unhooked_experiments_run_on_the_plain_model_with_the_bridges_numbers(passes):
+    model, tokens = bridge("llama"), ids(1, 9)
+    last, scores, generated = experiments(model, tokens)
+    full = model(tokens).log_softmax(-1)
+    torch.testing.assert_close(last.log_softmax(-1), full[:, 5], **TOL)
+    expected = full[0, 5:8].gather(-1, tokens[0, 6:9, None])[:, 0]
+    torch.testing.assert_close(scores[0], expected, **TOL)
+    hf = reference("llama").generate(tokens[:, :6], max_new_tokens=5, do_sample=False)
+    assert torch.equal(generated, hf[:, 6:])
+    # Each call checks the plain model against one bridge pass of the prefix's last token.
+    checks = [("bridge", 1), ("hf", 1)]
+    assert passes == [("hf", 6), *checks, *checks, ("hf", 3), *checks, *[("hf", 1)] * 4]
+
+
+def test_a_hook_on_the_bridge_keeps_every_pass_on_the_bridge(passes):
+    """A bridge hook point's hook, or a torch hook on any of its modules, fires in every pass."""
+    model, tokens = bridge("llama"), ids(1, 9)
+    unhooked = experiments(model, tokens)
+    fired: list[str] = []
+    handle = model.blocks[1].mlp.register_forward_hook(lambda *args: fired.append("torch"))
+    try:
+        with model.hooks(fwd_hooks=[("blocks.0.attn.hook_v", lambda v, hook: fired.append(v))]):
+            hooked = experiments(model, tokens)
+        torch_only = experiments(model, tokens)
+    finally:
+        handle.remove()
+    assert not hooked_anywhere(model)
+    on_bridge = [("bridge", 6), ("bridge", 3), *[("bridge", 1)] * 4]
+    assert passes[-12:] == on_bridge * 2
+    assert fired.count("torch") == 12 and len(fired) == 18
+    for got in (hooked, torch_only):
+        torch.testing.assert_close(got[0], unhooked[0], **TOL)
+        torch.testing.assert_close(got[1], unhooked[1], **TOL)
+        assert torch.equal(got[2], unhooked[2])
+
+
+def test_a_plain_model_that_computes_otherwise_is_not_used(monkeypatch, passes):
+    """The check on the prefix's last token catches a plain model with other numbers."""
+    model, tokens = bridge("llama"), ids(1, 9)
+    expected = experiments(model, tokens)
+    other = copy.deepcopy(reference("llama"))
+    with torch.no_grad():
+        other.model.layers[1].mlp.down_proj.weight.mul_(1.5)
+    monkeypatch.setattr(BridgeBackend, "plain", lambda self: HFBackend(other))
+    passes.clear()
+    got = experiments(model, tokens)
+    torch.testing.assert_close(got[0], expected[0], **TOL)
+    torch.testing.assert_close(got[1], expected[1], **TOL)
+    assert torch.equal(got[2], expected[2])
+    checks = [("bridge", 1), ("hf", 1)]
+    rerun = [("hf", 6), *checks, ("bridge", 6)]  # prefill: checked after its pass
+    assert passes == [*rerun, *checks, ("bridge", 3), *checks, *[("bridge", 1)] * 4]
+
+
+def test_a_plain_model_that_fails_leaves_the_passes_on_the_bridge(monkeypatch, passes):
+    model, tokens = bridge("llama"), ids(1, 9)
+    expected = experiments(model, tokens)
+    broken = copy.deepcopy(reference("llama"))
+
+    def fail(module, args):
+        raise RuntimeError("the plain model cannot run this")
+
+    broken.model.layers[1].mlp.register_forward_pre_hook(fail)
+    monkeypatch.setattr(BridgeBackend, "plain", lambda self: HFBackend(broken))
+    passes.clear()
+    got = experiments(model, tokens)
+    torch.testing.assert_close(got[1], expected[1], **TOL)
+    assert torch.equal(got[2], expected[2])
+    checks = [("bridge", 1), ("hf", 1)]
+    assert passes == [
+        *[("hf", 6), ("bridge", 6)],
+        *[*checks, ("bridge", 3)],
+        *[*checks, *[("bridge", 1)] * 4],
+    ]
+
+
+def test_compatibility_mode_experiments_equal_the_bridges_uncached_forward():
+    with tempfile.TemporaryDirectory() as folder:
+        _tokenizer().save_pretrained(folder)
+        model = TransformerBridge.boot_transformers(folder, hf_model=_hf_model("llama"))
+    model.eval().enable_compatibility_mode()
+    tokens = ids(1, 9)
+    last, scores, _ = experiments(model, tokens)
+    full = model(tokens).log_softmax(-1)
+    torch.testing.assert_close(last.log_softmax(-1), full[:, 5], atol=1e-4, rtol=1e-4)
+    expected = full[0, 5:8].gather(-1, tokens[0, 6:9, None])[:, 0]
+    torch.testing.assert_close(scores[0], expected, atol=1e-4, rtol=1e-4)

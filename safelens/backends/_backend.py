@@ -197,6 +197,10 @@ class Backend(ABC):
     - `reuses_residuals` (set per model) with `residual_hook` and `forward_from_layer`:
       a prefix may keep the residual stream entering each layer, and a write-time
       ablation then recomputes only the layers from the first edited one.
+    - [`twin`][safelens.backends._backend.Backend.twin] with
+      [`same_numbers`][safelens.backends._backend.Backend.same_numbers]: another
+      backend that runs this model's unhooked passes faster with its numbers (default:
+      none, `self`).
     """
 
     family: ClassVar[str]
@@ -265,6 +269,15 @@ class Backend(ABC):
     ) -> Float[torch.Tensor, "batch new_tokens d_vocab"]:
         """Logits of one pass of `tokens` through `cache` (see the class notes)."""
 
+    def forward_last(
+        self,
+        tokens: Int[torch.Tensor, "batch new_tokens"],
+        attention_mask: Int[torch.Tensor, "batch pos"],
+        cache: Any,
+    ) -> Float[torch.Tensor, "batch d_vocab"]:
+        """`forward`'s logits at the last position (a backend may skip the others')."""
+        return self.forward(tokens, attention_mask, cache)[:, -1]
+
     def forward_continuations(
         self,
         tokens: Int[torch.Tensor, "batch new_tokens"],
@@ -277,6 +290,31 @@ class Backend(ABC):
         broadcast prefix once per layer. Must give `forward`'s numbers to float rounding.
         """
         return self.forward(tokens, attention_mask, cache)
+
+    def twin(self) -> Backend:
+        """A backend to run this model's unhooked passes on: `self`, or a faster stand-in.
+
+        Asked once per experiment call, before its passes, by experiments that attach no
+        hook of their own (`prefill`, `score_continuations`, `generate`); a stand-in is
+        used only where [`same_numbers`][safelens.backends._backend.Backend.same_numbers]
+        holds on the call's prefix. A TransformerBridge with no hook of the user's
+        attached answers its plain HuggingFace model (`safelens.backends.bridge._plain`).
+        """
+        return self
+
+    def same_numbers(
+        self,
+        twin: Backend,
+        cache: Any,
+        tokens: Int[torch.Tensor, "batch pos"],
+        attention_mask: Int[torch.Tensor, "batch pos"],
+    ) -> bool:
+        """Whether `twin` gives this backend's logits after `cache`, which holds `tokens`.
+
+        Checked on a pass of the last position of `tokens` over the others (on branches
+        of `cache`, which is not changed); `True` for `twin is self`.
+        """
+        return twin is self
 
     @abstractmethod
     def write_hook(self, layer: int, target: Literal["keys", "values"]) -> str:

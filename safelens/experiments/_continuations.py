@@ -36,7 +36,7 @@ from ..core._arguments import flag, positive_int
 from ..core._errors import CacheShapeError, TokenError
 from ..core._repr import summary_repr
 from ..core._tokens import check_tokens
-from ._prefix import Prefix, check_prefix, token_limits
+from ._prefix import Prefix, check_prefix, runner_of, token_limits
 
 __all__ = ["ContinuationScores", "score_continuations"]
 
@@ -202,6 +202,7 @@ def score_continuations(
     # On the tokens' device: the unembedding's may differ in a model split over devices.
     first = torch.log_softmax(prefix.last_logits[0].float(), dim=-1).to(device)
     batches = _batches(len(rows), per_row, batch_size, memory_budget)
+    runner = runner_of(backend, prefix)
     for batch in _progress(batches, progress, "continuations"):
         picked = [order[i] for i in batch]
         width = int(lengths[picked[0]])
@@ -214,7 +215,7 @@ def score_continuations(
         cache.freeze()
         full_mask = torch.cat([prefix.attention_mask.expand(len(picked), -1), mask], dim=1)
         with torch.no_grad():
-            logits = backend.forward_continuations(tokens, full_mask, cache)
+            logits = runner.forward_continuations(tokens, full_mask, cache)
         scores = torch.empty(len(picked), width, dtype=torch.float32, device=device)
         scores[:, 0] = first[tokens[:, 0]]
         if width > 1:

@@ -29,7 +29,7 @@ from ..core._arguments import finite_number, flag, integer, positive_int
 from ..core._errors import TokenError
 from ..core._repr import summary_repr
 from ..core._tokens import check_tokens
-from ._prefix import Prefix, check_prefix
+from ._prefix import Prefix, check_prefix, runner_of
 
 __all__ = ["Generation", "generate", "sample_logits"]
 
@@ -225,6 +225,7 @@ def generate(
             f"makes {total} positions, more than the model's context n_ctx={n_ctx}; "
             f"generate at most {n_ctx - prefix.length} new tokens, or shorten the prefix"
         )
+    runner = runner_of(backend, prefix)
     rows = prefix.batch_size * n_samples
     if rows == 1:
         # One row gets the prefix copied once into a buffer of its own that later tokens
@@ -247,25 +248,29 @@ def generate(
     # Logits come off the unembedding's device; a model split over devices may hold it
     # apart from the embedding's, where the tokens, the generator and the next pass are.
     logits = prefix.last_logits.repeat_interleave(n_samples, dim=0).to(device)
-    mask = prefix.attention_mask.repeat_interleave(n_samples, dim=0)
-    ones = torch.ones(rows, 1, dtype=mask.dtype, device=device)
-    for step in range(max_new_tokens):
-        if do_sample:
-            token = _sample(logits, temperature, top_k, top_p, generator)
-        else:
-            token = logits.argmax(dim=-1)
-        chosen = torch.log_softmax(logits.float(), dim=-1).gather(-1, token[:, None])[:, 0]
-        live = ~finished
-        tokens[live, step] = token[live]
-        log_probs[live, step] = chosen[live]
-        if stops.numel():
-            stopped = live & torch.isin(token, stops)
-            lengths[stopped] = step + 1
-            finished |= stopped
-            if bool(finished.all()):
-                break
-        if step + 1 < max_new_tokens:
-            mask = torch.cat([mask, ones], dim=1)
-            with torch.no_grad():
-                logits = backend.forward(token[:, None], mask, branch)[:, -1].to(device)
+    past = prefix.attention_mask.repeat_interleave(n_samples, dim=0)
+    # Every step's mask is a view of this one: the prefix's, then one column per token.
+    mask = torch.cat([past, past.new_ones(rows, max_new_tokens)], dim=1)
+    with torch.no_grad():
+        for step in range(max_new_tokens):
+            if do_sample:
+                token = _sample(logits, temperature, top_k, top_p, generator)
+            else:
+                token = logits.argmax(dim=-1)
+            chosen = torch.log_softmax(logits.float(), dim=-1).gather(-1, token[:, None])[:, 0]
+            if stops.numel():
+                # A finished sample keeps its fill token and a log-probability of 0.
+                tokens[:, step] = token.masked_fill(finished, fill)
+                log_probs[:, step] = chosen.masked_fill(finished, 0.0)
+                stopped = ~finished & torch.isin(token, stops)
+                lengths.masked_fill_(stopped, step + 1)
+                finished |= stopped
+                if bool(finished.all()):
+                    break
+            else:
+                tokens[:, step] = token
+                log_probs[:, step] = chosen
+            if step + 1 < max_new_tokens:
+                seen = mask[:, : prefix.length + step + 1]
+                logits = runner.forward(token[:, None], seen, branch)[:, -1].to(device)
     return Generation(tokens, lengths, log_probs)

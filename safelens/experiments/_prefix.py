@@ -40,7 +40,7 @@ from ..core._errors import CacheConfigError, CacheShapeError, FrozenCacheError, 
 from ..core._repr import summary_repr
 from ..core._tokens import check_tokens
 
-__all__ = ["Prefix", "check_prefix", "prefill", "token_limits"]
+__all__ = ["Prefix", "check_prefix", "prefill", "runner_of", "token_limits"]
 
 
 def token_limits(backend: Backend) -> SimpleNamespace:
@@ -285,11 +285,48 @@ def prefill(
     keep = keep_residuals and backend.reuses_residuals
     layers = range(backend.n_layers) if keep else range(0)
     hooks = [(backend.residual_hook(i), keeper(i)) for i in layers]
+    on_twin = None if hooks else _on_twin(backend, tokens, mask)
+    if on_twin is not None:
+        return Prefix(on_twin[0], tokens, mask, on_twin[1])
     with torch.no_grad(), backend.pass_hooks(cache, hooks):
-        logits = backend.forward(tokens, mask, cache)
+        last = backend.forward_last(tokens, mask, cache)
     cache.freeze()
     kept = tuple(residuals[i] for i in layers) if keep else None
-    return Prefix(cache, tokens, mask, logits[:, -1], kept)
+    return Prefix(cache, tokens, mask, last, kept)
+
+
+def _on_twin(
+    backend: Backend, tokens: torch.Tensor, mask: torch.Tensor
+) -> tuple[Any, torch.Tensor] | None:
+    """`prefill`'s frozen cache and last logits from `backend`'s twin (`Backend.twin`), or
+    `None`: no twin, or one that fails or does not give `backend`'s numbers (no hook of
+    the user's is attached, so a failure is the twin's own)."""
+    twin = backend.twin()
+    if twin is backend:
+        return None
+    cache = backend.empty_cache(tokens.shape[0])
+    try:
+        with torch.no_grad():
+            last = twin.forward_last(tokens, mask, cache)
+    except Exception:  # noqa: BLE001 - the pass runs on the bridge instead
+        return None
+    cache.freeze()
+    return (cache, last) if _same_numbers(backend, twin, cache, tokens, mask) else None
+
+
+def _same_numbers(
+    backend: Backend, twin: Backend, cache: Any, tokens: torch.Tensor, mask: torch.Tensor
+) -> bool:
+    with torch.no_grad():
+        return backend.same_numbers(twin, cache, tokens, mask)
+
+
+def runner_of(backend: Backend, prefix: Prefix) -> Backend:
+    """The backend to run `prefix`'s continuations on: `backend`'s twin where it gives
+    `backend`'s numbers on the prefix's last position, else `backend` (no hook attached)."""
+    twin = backend.twin()
+    same = _same_numbers(backend, twin, prefix.cache, prefix.tokens, prefix.attention_mask)
+    return twin if same else backend
 
 
 def check_prefix(model: Any, prefix: Prefix, what: str) -> Backend:

@@ -8,12 +8,15 @@ stored attention mask. So `BridgeBackend` is `HFBackend` (sizes, position ids fr
 full mask, write-time edits at the cache's `hook_k_new` / `hook_v_new`) with three
 differences:
 
-- every pass goes through the bridge (so the bridge's hooks fire; a patching sweep with
-  no user hook may run its patched passes on `plain()`, the model without the bridge's
-  components, `._plain`) inside
+- every pass goes through the bridge, so the bridge's hooks fire, inside
   [`cache_pass`][safelens.backends.bridge._cache_pass.cache_pass], which makes the
   cache reach the bridge's attention under every transformers version (the >= 5.24
-  `cache=` rename, which the bridge's attention does not read) or refuses the pass;
+  `cache=` rename, which the bridge's attention does not read) or refuses the pass.
+  Where no hook of the user's is attached, passes whose numbers it checks run on
+  `plain()`, the model without the bridge's components (`._plain`), which gives the
+  same numbers faster: a patching sweep's patched passes, and (`twin`, checked by
+  `same_numbers` on the prefix's last position) `prefill`, `score_continuations` and
+  `generate`;
 - hook names are the bridge's (`blocks.{l}.attn.hook_q`, …) and the cache's, named
   to match: `blocks.{l}.kv_cache.{hook_k_new, hook_v_new, hook_k_full, hook_v_full}`
   (`HFKeyValueCache(naming="bridge")`); see `safelens.backends.bridge._hooks`;
@@ -32,13 +35,14 @@ from typing import Any, Literal
 
 import torch
 
-from .._backend import CacheLayout, FwdHooks, NamesFilter
-from ..hf._backend import HFBackend, HFCacheOps
+from ...core._thread_hooks import hooked_anywhere
+from .._backend import Backend, CacheLayout, FwdHooks, NamesFilter
+from ..hf._backend import HFBackend, HFCacheOps, pass_inputs
 from ..hf._cache import HFKeyValueCache
 from ..hf._model import forward_cache_argument
 from ._cache_pass import cache_pass
 from ._hooks import bridge_hooks, select_cache_hooks, thread_bridge_hooks
-from ._plain import plain_model
+from ._plain import agrees, plain_model
 
 __all__ = ["BRIDGE_CACHE", "BridgeBackend"]
 
@@ -84,20 +88,24 @@ class BridgeBackend(HFBackend):
                 "the prefix with prefill(bridge, tokens)"
             )
 
-    def _call(self, tokens: torch.Tensor, attention_mask: torch.Tensor, cache: Any) -> Any:
-        """The bridge's logits for `tokens` after `cache`'s positions, `attention_mask` full."""
-        past = self.caches.length(cache)
-        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-        mask = None if bool(attention_mask.all()) else attention_mask
+    def _call(
+        self,
+        tokens: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: Any,
+        last_only: bool = False,
+    ) -> Any:
+        """The bridge's logits for `tokens` after `cache`'s positions, `attention_mask` full.
+
+        `last_only` keeps the last position's; every position is computed (the bridge's
+        hooks may read any).
+        """
+        mask, positions = pass_inputs(attention_mask, self.caches.length(cache), tokens.shape[1])
         with cache_pass(self.model, cache) as argument:
             logits = self.model(
-                tokens,
-                attention_mask=mask,
-                position_ids=positions[:, past:],
-                use_cache=True,
-                **argument,
+                tokens, attention_mask=mask, position_ids=positions, use_cache=True, **argument
             )
-        return logits
+        return logits[:, -1:] if last_only else logits
 
     def forward_continuations(
         self, tokens: torch.Tensor, attention_mask: torch.Tensor, cache: Any
@@ -109,6 +117,30 @@ class BridgeBackend(HFBackend):
         """An `HFBackend` of the bridge's model without its components, or `None` (`._plain`)."""
         model = plain_model(self.model)
         return None if model is None else HFBackend(model)
+
+    def twin(self) -> Backend:
+        """`plain()` while no hook of the user's is attached anywhere in the bridge, else `self`."""
+        if hooked_anywhere(self.model):
+            return self
+        return self.plain() or self
+
+    def same_numbers(
+        self, twin: Backend, cache: Any, tokens: torch.Tensor, attention_mask: torch.Tensor
+    ) -> bool:
+        """Whether `twin` gives the bridge's logits for the last of `tokens` after the others.
+
+        One pass of that position through each, on branches of `cache` cropped before it;
+        a twin whose pass raises does not.
+        """
+        if twin is self:
+            return True
+        last = tokens[:, -1:]
+        ours = self.forward(last, attention_mask, cache.cropped(-1))
+        try:
+            theirs = twin.forward(last, attention_mask, cache.cropped(-1))
+        except Exception:  # noqa: BLE001 - no hook of the user's is attached: the twin's own
+            return False
+        return agrees(theirs, ours)
 
     def write_hook(self, layer: int, target: Literal["keys", "values"]) -> str:
         return BRIDGE_CACHE.layout.hook_name(layer, f"hook_{target[0]}_new")

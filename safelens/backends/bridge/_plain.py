@@ -11,9 +11,13 @@ object, is returned: where the bridge holds weights of its own (GPT-2's and Phi-
 split query/key/value projections, which an edit of the bridge's weights would change
 alone), there is none.
 
-A sweep uses it for its patched passes when no hook of the user's is attached and the
-copy's corrupted run equals the bridge's (`safelens.patching._hf_sweeps`): it runs the
-same arithmetic without the components' per-call work.
+It runs the same arithmetic without the components' per-call work (and with
+HuggingFace's attention kernels rather than the bridge's own attention), so safelens
+runs passes on it where no hook of the user's is attached and it gives the bridge's
+numbers: a sweep's patched passes when the copy's corrupted run equals the bridge's
+(`safelens.patching._hf_sweeps`), and `prefill`, `score_continuations` and `generate`
+when a pass of the prefix's last position gives the bridge's logits
+(`BridgeBackend.twin`, `agrees`).
 
 Caveat: each copy has its own lists of torch hooks, starting as copies of the
 originals' (the libraries' own), so a hook attached to a copy never fires on the bridge;
@@ -28,8 +32,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["plain_model"]
+__all__ = ["agrees", "plain_model"]
 
+# How far the plain model's logits may stray from the bridge's, relative to the largest
+# logit: float32 (and wider), else half precision.
+_TOLERANCE = {True: 1e-4, False: 3e-2}
 _HOOK_DICTS = (
     "_forward_hooks",
     "_forward_hooks_with_kwargs",
@@ -69,3 +76,9 @@ def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
             held = module.__dict__[name]
             twin.__dict__[name] = type(held)(held)
     return twin
+
+
+def agrees(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether `got` (the plain model's logits) equals `expected` (the bridge's) to rounding."""
+    bound = _TOLERANCE[torch.finfo(expected.dtype).bits >= 32] * (1 + float(expected.abs().max()))
+    return got.shape == expected.shape and float((got - expected).abs().max()) <= bound

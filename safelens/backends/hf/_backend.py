@@ -34,11 +34,11 @@ from ...core._storage import Sequence
 from .._backend import Backend, CacheLayout, CacheOps, CacheShape, FwdHooks, NamesFilter
 from ._cache import HFKeyValueCache
 from ._layer import HFCacheLayer
-from ._model import forward_cache_argument, hf_cache_argument
+from ._model import forward_cache_argument, forward_parameters, hf_cache_argument
 from ._run import attach_hooks, module_hooks, run, select_cache_hooks
 from ._shared_attention import shared_prefix
 
-__all__ = ["HF_CACHE", "HFBackend"]
+__all__ = ["HF_CACHE", "HFBackend", "pass_inputs"]
 
 
 class HFCacheOps(CacheOps):
@@ -146,6 +146,23 @@ def _context(config: Any) -> int | None:
     return None
 
 
+def pass_inputs(
+    attention_mask: torch.Tensor, past: int, new: int
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """`(attention_mask, position_ids)` for a pass of `new` tokens after `past` cached ones.
+
+    Positions as `generate` gives them: the real tokens before each in its row
+    (`attention_mask.cumsum(-1) - 1`, 0 on padding). An all-ones mask is dropped (no
+    padding: attention is plain causal, as in `generate`), and its positions are
+    `past, past + 1, …`.
+    """
+    if bool(attention_mask.all()):
+        positions = torch.arange(past, past + new, device=attention_mask.device)
+        return None, positions.expand(attention_mask.shape[0], new)
+    counted = attention_mask.long().cumsum(-1) - 1
+    return attention_mask, counted.masked_fill(attention_mask == 0, 0)[:, past:]
+
+
 class HFBackend(Backend):
     """A HuggingFace causal LM (`PreTrainedModel` with `generate`), as the experiments see it."""
 
@@ -220,24 +237,33 @@ class HFBackend(Backend):
         ]
         check_fits(entries, SimpleNamespace(**vars(self._sizes), dtype=self.dtype))  # type: ignore[arg-type]
 
-    def _call(self, tokens: torch.Tensor, attention_mask: torch.Tensor, cache: Any) -> Any:
-        """The model's logits for `tokens` after `cache`'s positions, `attention_mask` full."""
-        past = HF_CACHE.length(cache)
-        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-        # As `generate`: an all-ones mask is dropped (no padding), so attention is plain causal.
-        mask = None if bool(attention_mask.all()) else attention_mask
-        kwargs = {forward_cache_argument(self.model): cache}
+    def _call(
+        self,
+        tokens: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: Any,
+        last_only: bool = False,
+    ) -> Any:
+        """The model's logits for `tokens` after `cache`'s positions, `attention_mask` full.
+
+        `last_only`: the last position's alone, `[batch, 1, d_vocab]`, where the forward
+        takes `logits_to_keep` (as `generate`'s first pass), else every position's.
+        """
+        mask, positions = pass_inputs(attention_mask, HF_CACHE.length(cache), tokens.shape[1])
+        kwargs: dict[str, Any] = {forward_cache_argument(self.model): cache}
+        if last_only and "logits_to_keep" in forward_parameters(self.model):
+            kwargs["logits_to_keep"] = 1
         output = self.model(
-            input_ids=tokens,
-            attention_mask=mask,
-            position_ids=positions[:, past:],
-            use_cache=True,
-            **kwargs,
+            input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
         )
         return output.logits
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, cache: Any) -> Any:
         return self._call(tokens, attention_mask, cache)
+
+    def forward_last(self, tokens: torch.Tensor, attention_mask: torch.Tensor, cache: Any) -> Any:
+        """`forward`'s logits at the last position, `[batch, d_vocab]`, the others not computed."""
+        return self._call(tokens, attention_mask, cache, last_only=True)[:, -1]
 
     def forward_continuations(
         self, tokens: torch.Tensor, attention_mask: torch.Tensor, cache: Any

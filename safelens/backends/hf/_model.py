@@ -35,7 +35,7 @@ import transformers
 
 from ...core._errors import CacheConfigError
 
-__all__ = ["forward_cache_argument", "hf_cache_argument"]
+__all__ = ["forward_cache_argument", "forward_parameters", "hf_cache_argument"]
 
 CacheArgument = Literal["cache", "past_key_values"]
 
@@ -47,6 +47,15 @@ def _parameters(function: Callable[..., Any]) -> tuple[str, ...]:
     return tuple(inspect.signature(function).parameters)[1:]
 
 
+def forward_parameters(model: torch.nn.Module) -> tuple[str, ...]:
+    """The names of `model.forward`'s parameters (read once per class for a method)."""
+    forward = model.forward
+    function = getattr(forward, "__func__", None)
+    if function is not None:
+        return _parameters(function)
+    return tuple(inspect.signature(forward).parameters)
+
+
 def forward_cache_argument(model: torch.nn.Module) -> CacheArgument:
     """The name of `model.forward`'s cache parameter, read from its signature alone.
 
@@ -54,13 +63,7 @@ def forward_cache_argument(model: torch.nn.Module) -> CacheArgument:
     its attention the cache). **Raises:** [`CacheConfigError`][safelens.CacheConfigError]
     when the forward takes neither `cache` nor `past_key_values`.
     """
-    forward = model.forward
-    function = getattr(forward, "__func__", None)  # a method: its signature, once
-    parameters = (
-        _parameters(function)
-        if function is not None
-        else tuple(inspect.signature(forward).parameters)
-    )
+    parameters = forward_parameters(model)
     if "cache" in parameters:
         return "cache"
     if "past_key_values" in parameters:
