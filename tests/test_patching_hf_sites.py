@@ -375,15 +375,26 @@ def test_generic_on_hf_equals_a_loop_of_hooked_forwards(name, monkeypatch):
 
 
 def test_a_family_whose_attention_skips_the_attention_functions_is_refused_its_queries():
-    """Falcon computes attention itself: no q or pattern; its head outputs still patch."""
+    """Falcon computes attention itself up to transformers 5.24: no q or pattern there.
+
+    Later versions route it through `ALL_ATTENTION_FUNCTIONS`, and its q sweep runs.
+    """
+    import inspect
+
     config = OTHER_ATTENTION["falcon"]
     config.update(dict(vocab_size=50, bos_token_id=0, eos_token_id=None, pad_token_id=None))
     torch.manual_seed(0)
     lm = transformers.AutoModelForCausalLM.from_config(config).eval()
+    forward = inspect.unwrap(type(lm.transformer.h[0].self_attention).forward)
+    routed = "ALL_ATTENTION_FUNCTIONS" in forward.__code__.co_names
     clean, corrupted = prompts()
     _, clean_cache = run_with_patching_cache(lm, clean)
-    assert "blocks.0.attn.hook_q" not in clean_cache and "blocks.0.attn.hook_z" in clean_cache
+    assert ("blocks.0.attn.hook_q" in clean_cache) == routed
+    assert "blocks.0.attn.hook_z" in clean_cache
     for sweep in ("get_act_patch_attn_head_q_by_pos", "get_act_patch_attn_head_pattern_by_pos"):
+        if routed:
+            getattr(safelens, sweep)(lm, corrupted, clean_cache, batched, progress=False)
+            continue
         with pytest.raises(PatchingError, match="FalconAttention computes its attention without"):
             getattr(safelens, sweep)(lm, corrupted, clean_cache, batched, progress=False)
     with pytest.raises(PatchingError, match=r"in parallel .*\(parallel_attn=True\)"):
