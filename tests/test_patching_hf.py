@@ -373,10 +373,12 @@ def test_run_with_patching_cache_refuses_a_bridge():
         run_with_patching_cache(bridge("llama"), ids(1, 4))
 
 
-def test_generic_activation_patch_says_it_needs_a_hooked_transformer():
+def test_generic_activation_patch_names_a_clean_cache_without_the_activation():
     lm = model("llama")
     clean, corrupted = prompts(1, False)
-    with pytest.raises(PatchingError, match="generic_activation_patch needs a HookedTransformer"):
+    with pytest.raises(
+        PatchingError, match="clean_cache has no activation 'blocks.0.hook_resid_pre'"
+    ):
         safelens.generic_activation_patch(
             lm, corrupted, {}, batched(1), lambda a, i, c: a, "resid_pre", ["layer", "pos"]
         )

@@ -375,15 +375,26 @@ def test_generic_on_hf_equals_a_loop_of_hooked_forwards(name, monkeypatch):
 
 
 def test_a_family_whose_attention_skips_the_attention_functions_is_refused_its_queries():
-    """Falcon computes attention itself: no q or pattern; its head outputs still patch."""
+    """Falcon computes attention itself up to transformers 5.24: no q or pattern there.
+
+    Later versions route it through `ALL_ATTENTION_FUNCTIONS`, and its q sweep runs.
+    """
+    import inspect
+
     config = OTHER_ATTENTION["falcon"]
     config.update(dict(vocab_size=50, bos_token_id=0, eos_token_id=None, pad_token_id=None))
     torch.manual_seed(0)
     lm = transformers.AutoModelForCausalLM.from_config(config).eval()
+    forward = inspect.unwrap(type(lm.transformer.h[0].self_attention).forward)
+    routed = "ALL_ATTENTION_FUNCTIONS" in forward.__code__.co_names
     clean, corrupted = prompts()
     _, clean_cache = run_with_patching_cache(lm, clean)
-    assert "blocks.0.attn.hook_q" not in clean_cache and "blocks.0.attn.hook_z" in clean_cache
+    assert ("blocks.0.attn.hook_q" in clean_cache) == routed
+    assert "blocks.0.attn.hook_z" in clean_cache
     for sweep in ("get_act_patch_attn_head_q_by_pos", "get_act_patch_attn_head_pattern_by_pos"):
+        if routed:
+            getattr(safelens, sweep)(lm, corrupted, clean_cache, batched, progress=False)
+            continue
         with pytest.raises(PatchingError, match="FalconAttention computes its attention without"):
             getattr(safelens, sweep)(lm, corrupted, clean_cache, batched, progress=False)
     with pytest.raises(PatchingError, match=r"in parallel .*\(parallel_attn=True\)"):
@@ -392,3 +403,47 @@ def test_a_family_whose_attention_skips_the_attention_functions_is_refused_its_q
         lm, corrupted, clean_cache, batched, progress=False
     )
     assert got.shape == (2, 6, 4)
+
+
+def test_threads_patching_queries_and_patterns_meanwhile_leave_each_other_alone():
+    """The attention-function seam acts on its own thread: other passes run as they would."""
+    import threading
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    lm = sharp_model("llama")
+    clean, corrupted = prompts()
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    sweeps = ("get_act_patch_attn_head_q_by_pos", "get_act_patch_attn_head_pattern_all_pos")
+    serial = {
+        sweep: getattr(safelens, sweep)(lm, corrupted, clean_cache, batched, progress=False)
+        for sweep in sweeps
+    }
+    with torch.no_grad():
+        plain = lm(corrupted).logits
+    results, errors, plains = {}, [], []
+
+    def sweep_in_thread(sweep):
+        try:
+            results[sweep] = getattr(safelens, sweep)(
+                lm, corrupted, clean_cache, batched, progress=False
+            )
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    def forward_in_thread():
+        with torch.no_grad():
+            for _ in range(5):
+                plains.append(lm(corrupted).logits)
+
+    threads = [threading.Thread(target=sweep_in_thread, args=(sweep,)) for sweep in sweeps]
+    threads.append(threading.Thread(target=forward_in_thread))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    for sweep in sweeps:
+        assert torch.equal(results[sweep], serial[sweep]), sweep
+    assert all((logits - plain).abs().max() <= 1e-6 for logits in plains)
+    assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping  # the seam is gone

@@ -150,10 +150,20 @@ def _backend(model: Any) -> Backend:
     )
 
 
+def _needed(sweep: Callable[..., torch.Tensor]) -> Callable[[str], bool]:
+    """The clean cache names a HuggingFace `sweep` may read: patterns and scores (computed
+    eagerly, `[batch, n_heads, pos, pos]` per layer) only for a sweep that patches patterns."""
+    name = getattr(sweep, "__name__", "")
+    patterns = "pattern" in name or (
+        name.startswith("get_act_patch_attn_head_") and "every" in name
+    )
+    return lambda hook: patterns or not hook.endswith(("hook_pattern", "hook_attn_scores"))
+
+
 def _pair_bytes(backend: Backend, length: int) -> int:
     """Bytes one pair's clean cache and clean logits take, about."""
-    if backend.family == "hf":  # run_with_patching_cache: resid_pre, attn_out, mlp_out, k, v
-        width = 3 * backend.d_model + 2 * backend.n_kv_heads * backend.d_head
+    if backend.family == "hf":  # run_with_patching_cache: residuals, module outputs, q, z, k, v
+        width = 7 * backend.d_model + 2 * backend.n_kv_heads * backend.d_head
     else:  # every hook point, an MLP 4 * d_model wide, attention scores and pattern
         heads = max(1, backend.d_model // backend.d_head)
         width = 20 * backend.d_model + 2 * heads * length
@@ -181,11 +191,16 @@ def check_options(
         raise PatchingError(f"confidence must be in (0, 1) (e.g. 0.95), got {confidence!r}")
 
 
-def clean_cache_of(backend: Backend, clean: torch.Tensor) -> Any:
-    """The clean cache the sweeps read on `backend`'s family, for the prompts `clean`."""
+def clean_cache_of(
+    backend: Backend, clean: torch.Tensor, names_filter: Callable[[str], bool] | None = None
+) -> Any:
+    """The clean cache the sweeps read on `backend`'s family, for the prompts `clean`.
+
+    `names_filter`: on a HuggingFace model, the names to keep (default: every one).
+    """
     with torch.no_grad():
         if backend.family == "hf":
-            return run_with_patching_cache(backend.model, clean)[1]
+            return run_with_patching_cache(backend.model, clean, names_filter=names_filter)[1]
         return backend.model.run_with_cache(clean)[1]
 
 
@@ -257,8 +272,7 @@ def patch_dataset(
       (any function taking `(model, corrupted_tokens, clean_cache, metric, *,
       max_batch, max_bytes, progress)`).
     - `model`: a `HookedTransformer`, a TransformerBridge or a plain HuggingFace
-      causal LM that `sweep` takes (on a HuggingFace model: keys, values, `resid_pre`,
-      `attn_out`, `mlp_out`). Each chunk's clean cache comes from
+      causal LM that `sweep` takes. Each chunk's clean cache comes from
       `model.run_with_cache` (`HookedTransformer`, bridge) or
       [`run_with_patching_cache`][safelens.run_with_patching_cache] (HuggingFace).
     - `clean_tokens`, `corrupted_tokens`: `[pairs, pos]` token ids, one pair per row.
@@ -326,7 +340,7 @@ def _chunk(
     """Per-pair values `[len(rows), *grid]` of the sweep over one chunk of pairs."""
     clean, corrupted = lone_pair_doubled(backend, clean, corrupted)
     batch = clean.shape[0]
-    clean_cache = clean_cache_of(backend, clean)
+    clean_cache = clean_cache_of(backend, clean, _needed(sweep))
     with torch.no_grad():
         numbered = _RunNumbers(metric, rows.repeat(batch // rows.numel()), 1)
         grid = sweep(

@@ -46,7 +46,7 @@ any norm a family applies on the way back into the residual stream (Gemma-2's
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -56,14 +56,11 @@ import torch
 from ..backends._backend import Backend, NamesFilter, backend_of
 from ..backends.hf._seams import (
     ATTENTION_MODULES,
-    ATTENTION_POINTS,
+    SEAMS,
     Edit,
-    attention_edits,
-    attention_function_module,
     child_named,
-    input_edits,
-    mlp_norm,
-    output_projection,
+    seam_edits,
+    seam_modules,
 )
 from ..core._errors import PatchingError
 from ..core._tokens import check_tokens
@@ -95,9 +92,6 @@ TL_NAMES = {
     "attn_scores": "attn.hook_attn_scores",
     "resid_post": "hook_resid_post",
 }
-# The sites of a plain HuggingFace model at `safelens.backends.hf._seams`' seams: `hook`
-# gives `None`, `site_edits` edits them.
-SEAMS = frozenset({"q", "z", "pattern", "attn_scores", "resid_pre", "resid_mid"})
 _MODULES = {"attn_out": ATTENTION_MODULES, "mlp_out": ("mlp",)}
 
 
@@ -238,46 +232,23 @@ def _no_hook(layer: int) -> None:
 
 
 def _seam_modules(backend: Backend, activation: str) -> list[torch.nn.Module]:
-    """The module of every layer where `activation` is edited (`SEAMS`), or a `PatchingError`."""
-    if activation not in SEAMS:
-        raise PatchingError(
-            f"activation {activation!r} is not an activation safelens patches; expected one "
-            f"of {', '.join(sorted(TL_NAMES))}"
-        )
+    """The module of every layer where `activation` (one of `SEAMS`) is edited."""
     _, layers = _decoder_layers(backend.model, backend.n_layers)
-    if activation == "resid_pre":
-        return list(layers)
-    if activation == "resid_mid":
-        config = backend.config  # type: ignore[attr-defined]
-        return [mlp_norm(layer, index, config) for index, layer in enumerate(layers)]
-    if activation == "z":
-        return [output_projection(layer, index) for index, layer in enumerate(layers)]
-    return [attention_function_module(layer, index) for index, layer in enumerate(layers)]
+    return seam_modules(layers, backend.config, activation)  # type: ignore[attr-defined]
 
 
 @contextmanager
 def site_edits(backend: Backend, edits: Mapping[str, Mapping[int, Edit]]) -> Iterator[None]:
     """Within the block, `edits[activation][layer]` sees (and may edit) that seam's tensor.
 
-    For a HuggingFace model's `SEAMS`, in the hook layout of `site_of`'s `Site`; in the
-    calling thread's passes only, removed on exit (also on error).
+    For a HuggingFace model's `SEAMS`, in the hook layout of `site_of`'s `Site`
+    ([`seam_edits`][safelens.backends.hf._seams.seam_edits]).
     """
-    n_heads = int(backend.config.num_attention_heads)  # type: ignore[attr-defined]
-    attention: dict[torch.nn.Module, dict[str, Edit]] = {}
-    with ExitStack() as stack:
-        for activation, by_layer in edits.items():
-            if not by_layer:
-                continue
-            modules = _seam_modules(backend, activation)
-            chosen = {modules[layer]: edit for layer, edit in by_layer.items()}
-            if activation in ATTENTION_POINTS:
-                for module, edit in chosen.items():
-                    attention.setdefault(module, {})[activation] = edit
-            else:
-                heads = n_heads if activation == "z" else 0
-                stack.enter_context(input_edits(chosen, heads, activation == "resid_mid"))
-        if attention:
-            stack.enter_context(attention_edits(attention))
+    if not any(edits.values()):
+        yield
+        return
+    _, layers = _decoder_layers(backend.model, backend.n_layers)
+    with seam_edits(layers, backend.config, edits):  # type: ignore[attr-defined]
         yield
 
 

@@ -39,8 +39,8 @@ import inspect
 import math
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -50,6 +50,7 @@ from ...core._errors import PatchingError
 __all__ = [
     "ATTENTION_MODULES",
     "ATTENTION_POINTS",
+    "SEAMS",
     "Edit",
     "attention_edits",
     "attention_function_module",
@@ -58,6 +59,8 @@ __all__ = [
     "input_edits",
     "mlp_norm",
     "output_projection",
+    "seam_edits",
+    "seam_modules",
 ]
 
 # `edit(tensor) -> tensor | None`: what a seam's tensor becomes (`None`: as it is, or
@@ -76,6 +79,9 @@ PARALLEL_FLAGS = ("use_parallel_residual", "parallel_attn", "new_decoder_archite
 PARALLEL_FAMILIES = frozenset({"gptj", "phi", "cohere", "codegen", "gpt_neox_japanese"})
 # What the attention function edits: queries before it, scores and pattern inside it.
 ATTENTION_POINTS = ("q", "attn_scores", "pattern")
+# The activations reached at these seams (TransformerLens' names); the others of a
+# HuggingFace model are the cache's hook points and modules' outputs.
+SEAMS = frozenset({*ATTENTION_POINTS, "z", "resid_pre", "resid_mid"})
 # Attention-function arguments that change the arithmetic `_eager` does not know.
 _UNKNOWN_ARITHMETIC = ("s_aux", "sinks", "position_bias", "alibi")
 
@@ -156,6 +162,55 @@ def mlp_norm(layer: torch.nn.Module, index: int, config: Any) -> torch.nn.Module
         )
     module: torch.nn.Module = getattr(layer, name)
     return module
+
+
+def seam_modules(
+    layers: Iterable[torch.nn.Module], config: Any, activation: str
+) -> list[torch.nn.Module]:
+    """The module of every decoder layer where `activation` (one of `SEAMS`) is edited.
+
+    **Raises:** `PatchingError` naming why a family has no such seam.
+    """
+    if activation == "resid_pre":
+        return list(layers)
+    if activation == "resid_mid":
+        return [mlp_norm(layer, index, config) for index, layer in enumerate(layers)]
+    if activation == "z":
+        return [output_projection(layer, index) for index, layer in enumerate(layers)]
+    if activation in ATTENTION_POINTS:
+        return [attention_function_module(layer, index) for index, layer in enumerate(layers)]
+    raise PatchingError(
+        f"activation {activation!r} has no seam here; expected one of {', '.join(sorted(SEAMS))}"
+    )
+
+
+@contextmanager
+def seam_edits(
+    layers: Iterable[torch.nn.Module], config: Any, edits: Mapping[str, Mapping[int, Edit]]
+) -> Iterator[None]:
+    """Within the block, `edits[activation][layer]` sees (and may edit) that seam's tensor.
+
+    Queries `[batch, n_heads, pos, d_head]`, scores and patterns `[batch, n_heads,
+    query_pos, key_pos]` (`attention_edits`), head outputs `[batch, pos, n_heads,
+    d_head]`, `resid_mid` in place and `resid_pre` as the layer's input (`input_edits`);
+    in the calling thread's passes only, removed on exit (also on error).
+    """
+    attention: dict[torch.nn.Module, dict[str, Edit]] = {}
+    with ExitStack() as stack:
+        for activation, by_layer in edits.items():
+            if not by_layer:
+                continue
+            modules = seam_modules(layers, config, activation)
+            chosen = {modules[layer]: edit for layer, edit in by_layer.items()}
+            if activation in ATTENTION_POINTS:
+                for module, edit in chosen.items():
+                    attention.setdefault(module, {})[activation] = edit
+            else:
+                heads = int(config.num_attention_heads) if activation == "z" else 0
+                stack.enter_context(input_edits(chosen, heads, activation == "resid_mid"))
+        if attention:
+            stack.enter_context(attention_edits(attention))
+        yield
 
 
 @contextmanager
