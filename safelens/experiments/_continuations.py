@@ -152,8 +152,10 @@ def score_continuations(
 
     **Arguments:**
 
-    - `model`: the model the prefix was run through (a `HookedTransformer` or a
-      HuggingFace causal LM).
+    - `model`: the model the prefix was run through (a `HookedTransformer`, a
+      TransformerBridge or a HuggingFace causal LM; a bridge with no hook attached
+      runs the passes on its plain HuggingFace model where one pass of the prefix's
+      last token there gives the bridge's logits).
     - `prefix`: a batch-1 [`Prefix`][safelens.Prefix] (`prefix.select(row)` for a row of
       a batch), possibly ablated ([`ablate_read`][safelens.ablate_read]).
     - `continuations`: a list of 1-D token tensors or lists (ragged lengths allowed), or

@@ -171,8 +171,10 @@ def generate(
 
     **Arguments:**
 
-    - `model`: the model the prefix was run through (a `HookedTransformer` or a
-      HuggingFace causal LM).
+    - `model`: the model the prefix was run through (a `HookedTransformer`, a
+      TransformerBridge or a HuggingFace causal LM; a bridge with no hook attached
+      runs the passes on its plain HuggingFace model where one pass of the prefix's
+      last token there gives the bridge's logits).
     - `prefix`: a [`Prefix`][safelens.Prefix]; each of its rows gets `n_samples` samples
       (rows `r * n_samples … (r + 1) * n_samples - 1` of the result).
     - `max_new_tokens`: tokens to generate per sample.

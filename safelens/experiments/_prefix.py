@@ -239,7 +239,10 @@ def prefill(
 
     **Arguments:**
 
-    - `model`: a TransformerLens `HookedTransformer` or a HuggingFace causal LM.
+    - `model`: a TransformerLens `HookedTransformer`, a TransformerBridge or a
+      HuggingFace causal LM (a bridge with no hook attached runs the pass on its
+      plain HuggingFace model where one pass of the last token there gives the
+      bridge's logits).
     - `tokens_or_text`: `[batch, pos]` (or `[pos]`) token ids, or text when the model
       has a tokenizer.
     - `attention_mask`: `[batch, pos]`, 0 on left padding; all ones when omitted
