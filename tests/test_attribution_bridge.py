@@ -14,8 +14,8 @@ import tempfile
 import pytest
 import torch
 import transformers
-from bridge_models import _tokenizer, bridge
-from hf_models import CONFIGS
+from bridge_models import bridge
+from hf_models import CONFIGS, tokenizer
 from transformer_lens.model_bridge import TransformerBridge
 
 import safelens
@@ -190,7 +190,7 @@ def test_frozen_parameters_still_give_gradients():
 
 def boot(hf_model) -> TransformerBridge:
     with tempfile.TemporaryDirectory() as folder:
-        _tokenizer().save_pretrained(folder)
+        tokenizer().save_pretrained(folder)
         booted = TransformerBridge.boot_transformers(folder, hf_model=hf_model, device="cpu")
     return booted.eval()
 
