@@ -105,6 +105,12 @@ class Plan:
     sites: dict[str, Site]
     qk: dict[str, Site] | None
 
+    def clean_names(self) -> list[str]:
+        """The clean cache's names the estimates read."""
+        sites = [*self.sites.values(), *((self.qk["qk_q"], self.qk["qk_k"]) if self.qk else ())]
+        layers = range(self.backend.n_layers)
+        return sorted({site.clean(layer) for site in sites for layer in layers})
+
     def reads(self) -> list[Read]:
         """Every tensor the corrupted pass keeps, gradients for the sites and the pattern."""
         layers = range(self.backend.n_layers)

@@ -180,12 +180,15 @@ def check_options(
         raise PatchingError(f"confidence must be in (0, 1) (e.g. 0.95), got {confidence!r}")
 
 
-def clean_cache_of(backend: Backend, clean: torch.Tensor) -> Any:
-    """The clean cache the sweeps read on `backend`'s family, for the prompts `clean`."""
+def clean_cache_of(backend: Backend, clean: torch.Tensor, names: list[str] | None = None) -> Any:
+    """The clean cache the sweeps read on `backend`'s family, for the prompts `clean`.
+
+    `names`: keep only these activations (default: every one).
+    """
     with torch.no_grad():
         if backend.family == "hf":
-            return run_with_patching_cache(backend.model, clean)[1]
-        return backend.model.run_with_cache(clean)[1]
+            return run_with_patching_cache(backend.model, clean, names_filter=names)[1]
+        return backend.model.run_with_cache(clean, names_filter=names)[1]
 
 
 def lone_pair_doubled(
