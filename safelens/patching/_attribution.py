@@ -283,14 +283,15 @@ def attribution_patch(
 
     Same arguments as the exact sweeps (e.g.
     [`get_act_patch_attn_head_k_by_pos`][safelens.get_act_patch_attn_head_k_by_pos]),
-    same result shapes; see the module notes for what is approximated and when to
-    trust it.
+    same result shapes; the how-to "Attribution patching" says what is approximated,
+    when to trust it, and how well it agrees with the exact sweeps.
 
     **Arguments:**
 
     - `model`: a `HookedTransformer`, a TransformerLens `TransformerBridge` or a plain
-      HuggingFace causal LM (on which the sites its sweeps patch are read: keys,
-      values, `resid_pre`, `attn_out`, `mlp_out`).
+      HuggingFace causal LM (read where its exact sweeps patch it; a family without a
+      site, such as `resid_mid` in parallel-attention families, is refused with the
+      reason).
     - `corrupted_tokens`: `[batch, pos]` tokens of the corrupted run.
     - `clean_cache`: the clean run's cache, as the exact sweeps take it:
       `model.run_with_cache(clean_tokens)` (`HookedTransformer`, bridge) or
