@@ -50,10 +50,11 @@ EXACT = {
     "attn_out": safelens.get_act_patch_attn_out,
     "mlp_out": safelens.get_act_patch_mlp_out,
 }
-# The sites of an attention-only HookedTransformer (no resid_mid or MLP hook fires), and
-# those the HuggingFace demo model has (its MLPs are zero modules: no effect to rank).
+# The sites of an attention-only HookedTransformer (no resid_mid or MLP hook fires); the
+# HuggingFace demo model's are the same plus resid_mid (its MLPs are zero modules, no
+# effect to rank, so its resid_mid is the next layer's resid_pre).
 ATTENTION_ONLY = ("k", "v", "q", "z", "pattern", "resid_pre", "attn_out")
-HF_SITES = ("k", "v", "resid_pre", "attn_out")
+HF_SITES = (*ATTENTION_ONLY, "resid_mid")
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NOISE = 1e-6  # below this |exact effect|, a cell's effect is float noise
 
@@ -322,7 +323,7 @@ def accuracy(quick: bool = False, figures: Path | None = None) -> None:
     if not quick:
         hf_model, hf_case, _ = demo_task(hf=True)
         label = "trained induction, HF Llama"
-        _print_agreement(label, agreement(hf_model, *hf_case, HF_SITES, qk_fix=False))
+        _print_agreement(label, agreement(hf_model, *hf_case, HF_SITES))
     for seed in [] if quick else [0, 1]:
         random = rotary_model(n_layers=2, d_model=128, n_heads=4, seed=seed)
         _print_agreement(f"random, seed {seed}", agreement(random, *random_task(random, 32, seed)))

@@ -3,7 +3,7 @@
 Per pair, the estimates must equal `attribution_patch` on that pair alone (its own clean
 cache, the metric of its row); the mean and standard error those of the loop's values;
 chunks of any size the same. On a HookedTransformer (every site, QK fix), a bridge (QK
-fix) and plain HuggingFace Llama and GPT-2 (their sites).
+fix) and plain HuggingFace Llama and GPT-2 (every site, QK fix).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from safelens import (
     run_with_patching_cache,
 )
 
+EVERY = ["k", "v", "q", "z", "pattern", "resid_pre", "resid_mid", "attn_out", "mlp_out"]
 ANSWERS = torch.tensor([3, 7, 2, 9, 4])
 WRONG = torch.tensor([5, 1, 8, 6, 11])
 
@@ -84,8 +85,7 @@ def check(lm, clean, corrupted, activations, qk_fix, **kwargs) -> None:
 def test_huggingface_pairs_equal_single_pair_attribution(family, max_bytes):
     lm = model(family)
     clean, corrupted = ids(5, 6, seed=11), ids(5, 6, seed=12)
-    sites = ["k", "v", "resid_pre", "attn_out", "mlp_out"]
-    check(lm, clean, corrupted, sites, False, max_bytes=max_bytes)
+    check(lm, clean, corrupted, EVERY, True, max_bytes=max_bytes)
 
 
 def test_bridge_pairs_equal_single_pair_attribution_with_the_qk_fix():
@@ -100,8 +100,7 @@ def test_hooked_transformer_pairs_equal_single_pair_attribution_at_every_site():
 
     lm = make_model(positional="rotary", n_kv_heads=2)
     clean, corrupted = ids(4, 6, seed=11), ids(4, 6, seed=12)
-    every = ["k", "v", "q", "z", "pattern", "resid_pre", "resid_mid", "attn_out", "mlp_out"]
-    check(lm, clean, corrupted, every, True, max_bytes=1)
+    check(lm, clean, corrupted, EVERY, True, max_bytes=1)
 
 
 def test_bad_arguments_are_refused_naming_them():

@@ -1,27 +1,38 @@
 """Attribution patching on plain HuggingFace models, against plain torch hooks and autograd.
 
-Reference: one uncached forward of the model (no safelens cache, no hooks of safelens')
-with plain PyTorch hooks keeping the key and value projections' outputs, each decoder
-layer's input and the attention and MLP modules' outputs, then `torch.autograd.grad` of
-the metric. Keys are read before the rotary embedding there and after it by safelens;
-the first-order estimates agree because a position's rotation is a fixed orthogonal
-map. `verify_top_k` is checked against the exact sweeps. Every family of `hf_models`.
+Reference: one uncached forward of the model in eager attention (no safelens cache, no
+hooks of safelens') with plain PyTorch hooks keeping the query, key and value
+projections' outputs, the output projection's input (`z`), each decoder layer's input,
+the MLP norm's input (`resid_mid`) and the attention and MLP modules' outputs, and the
+attention weights the model returns (`output_attentions`, the pattern its eager
+attention multiplies the values with), then `torch.autograd.grad` of the metric. Keys
+and queries are read before the rotary embedding there and after it by safelens; the
+first-order estimates agree because a position's rotation is a fixed orthogonal map.
+The QK fix is checked against a TransformerBridge of the same weights (whose QK fix
+`test_attribution_bridge` checks against TransformerLens' patched patterns),
+`verify_top_k` against the exact sweeps. Every family of `hf_models`.
 """
 
 from __future__ import annotations
 
+import copy
+import tempfile
 from collections.abc import Callable
 
 import pytest
 import torch
-from hf_models import CONFIGS, ids, model
+import transformers
+from hf_models import CONFIGS, ids, model, tokenizer
+from transformer_lens.model_bridge import TransformerBridge
 
 import safelens
 from safelens import PatchingError, attribution_patch, run_with_patching_cache
 
 TOL = 1e-4
 FAMILIES = list(CONFIGS)
-SITES = ["k", "v", "resid_pre", "attn_out", "mlp_out"]
+SITES = ["k", "v", "q", "z", "pattern", "resid_pre", "resid_mid", "attn_out", "mlp_out"]
+# The norm before the MLP, whose input is resid_mid, by family.
+MLP_NORMS = ("pre_feedforward_layernorm", "post_attention_layernorm", "ln_2")
 
 
 def linear_metric(logits: torch.Tensor) -> torch.Tensor:
@@ -33,26 +44,30 @@ def layers_of(lm) -> torch.nn.ModuleList:
 
 
 def projections(lm, layer: torch.nn.Module) -> tuple[dict[str, torch.nn.Module], Callable]:
-    """The modules whose outputs hold a layer's keys and values, and how to read them off.
+    """The modules whose outputs hold a layer's queries, keys and values, and how to read them.
 
-    `read(outputs)` maps the modules' outputs (by name) to `{"k": …, "v": …}`."""
+    `read(outputs)` maps the modules' outputs (by name) to `{"q": …, "k": …, "v": …}`,
+    each `[batch, pos, heads, d_head]`."""
     config = lm.config
     heads = config.num_attention_heads
     d_head = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if hasattr(layer, "attn"):  # GPT-2: one projection, [q | k | v]
-        sizes, module = [heads * d_head] * 3, layer.attn.c_attn
+        sizes, modules = [heads * d_head] * 3, {"qkv": layer.attn.c_attn}
     elif hasattr(layer.self_attn, "qkv_proj"):  # Phi-3: one projection, [q | k | v]
-        sizes, module = [heads * d_head, *[kv_heads * d_head] * 2], layer.self_attn.qkv_proj
+        sizes = [heads * d_head, *[kv_heads * d_head] * 2]
+        modules = {"qkv": layer.self_attn.qkv_proj}
     else:
         attention = layer.self_attn
-        return {"k": attention.k_proj, "v": attention.v_proj}, lambda out: out
+        modules = {name: getattr(attention, f"{name}_proj") for name in "qkv"}
 
     def read(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        _, k, v = out["qkv"].split(sizes, dim=-1)
-        return {"k": k, "v": v}
+        split = (
+            dict(zip("qkv", out["qkv"].split(sizes, dim=-1), strict=True)) if "qkv" in out else out
+        )
+        return {name: tensor.unflatten(-1, (-1, d_head)) for name, tensor in split.items()}
 
-    return {"qkv": module}, read
+    return modules, read
 
 
 def reference(lm, tokens: torch.Tensor) -> tuple[torch.Tensor, dict, dict]:
@@ -68,7 +83,8 @@ def reference(lm, tokens: torch.Tensor) -> tuple[torch.Tensor, dict, dict]:
 
     def keep_input(key):
         def hook(module, args, kwargs):
-            kept[key] = args[0] if args else kwargs["hidden_states"]
+            tensor = args[0] if args else kwargs["hidden_states"]
+            kept[key] = tensor
 
         return hook
 
@@ -79,40 +95,46 @@ def reference(lm, tokens: torch.Tensor) -> tuple[torch.Tensor, dict, dict]:
         reads.append((index, list(modules), read))
         for name, module in modules.items():
             handles.append(module.register_forward_hook(keep((name, index))))
-        handles.append(
-            layer.register_forward_pre_hook(keep_input(("resid_pre", index)), with_kwargs=True)
-        )
+        output = attention.c_proj if hasattr(attention, "c_proj") else attention.o_proj
+        norm = next(getattr(layer, name) for name in MLP_NORMS if hasattr(layer, name))
+        for key, module in (("z", output), ("resid_pre", layer), ("resid_mid", norm)):
+            handles.append(
+                module.register_forward_pre_hook(keep_input((key, index)), with_kwargs=True)
+            )
         handles.append(attention.register_forward_hook(keep(("attn_out", index), lambda o: o[0])))
         handles.append(layer.mlp.register_forward_hook(keep(("mlp_out", index))))
+    before = lm.config._attn_implementation
+    lm.set_attn_implementation("eager")  # attention weights that the values are read with
     try:
         with torch.enable_grad():
-            value = linear_metric(lm(tokens, use_cache=False).logits)
+            out = lm(tokens, use_cache=False, output_attentions=True)
+            kept.update({("pattern", i): pattern for i, pattern in enumerate(out.attentions)})
+            value = linear_metric(out.logits)
             keys = list(kept)
             grads = dict(
                 zip(keys, torch.autograd.grad(value, [kept[k] for k in keys]), strict=True)
             )
     finally:
+        lm.set_attn_implementation(before)
         for handle in handles:
             handle.remove()
     acts = {key: tensor.detach() for key, tensor in kept.items()}
-    for index, names, read in reads:  # keys and values out of the projections' outputs
+    for index, names, read in reads:  # queries, keys, values out of the projections
         for got in (acts, grads):
             split = read({name: got.pop((name, index)) for name in names})
             got.update({(name, index): tensor for name, tensor in split.items()})
+            got["z", index] = got["z", index].unflatten(-1, (lm.config.num_attention_heads, -1))
     return value.detach(), acts, grads
 
 
 def expected_grids(lm, clean: torch.Tensor, corrupted: torch.Tensor) -> tuple[torch.Tensor, dict]:
     baseline, acts, grads = reference(lm, corrupted)
     _, clean_acts, _ = reference(lm, clean)
-    d_head = lm.config.hidden_size // lm.config.num_attention_heads
-    d_head = getattr(lm.config, "head_dim", None) or d_head
     grids: dict[str, list[torch.Tensor]] = {}
     for (name, layer), grad in grads.items():
         product = grad * (clean_acts[name, layer] - acts[name, layer])
-        if name in "kv" and product.shape[-1] != d_head:  # [batch, pos, kv_heads * d_head]
-            product = product.unflatten(-1, (-1, d_head))
-        grids.setdefault(name, [None] * lm.config.num_hidden_layers)[layer] = product.sum(-1).sum(0)
+        grid = product.sum(0) if name == "pattern" else product.sum(-1).sum(0)
+        grids.setdefault(name, [None] * lm.config.num_hidden_layers)[layer] = grid
     return baseline, {name: torch.stack(layers) + baseline for name, layers in grids.items()}
 
 
@@ -127,18 +149,60 @@ def test_estimates_equal_autograd_through_plain_torch_hooks(family):
     baseline, expected = expected_grids(lm, clean, corrupted)
     torch.testing.assert_close(result.baseline, baseline, atol=1e-5, rtol=1e-5)
     kv_heads = getattr(lm.config, "num_key_value_heads", None) or lm.config.num_attention_heads
+    shapes = {"k": (2, 7, kv_heads), "v": (2, 7, kv_heads), "q": (2, 7, 4), "z": (2, 7, 4)}
+    shapes["pattern"] = (2, 4, 7, 7)
     for name in SITES:
-        assert result.estimates[name].shape == ((2, 7, kv_heads) if name in "kv" else (2, 7))
+        assert result.estimates[name].shape == shapes.get(name, (2, 7))
         torch.testing.assert_close(result.estimates[name], expected[name], atol=TOL, rtol=TOL)
         assert (expected[name] - baseline).abs().max() > 1e-4  # the grids measure something
 
 
+def sharp_pair(family: str) -> tuple[torch.nn.Module, TransformerBridge]:
+    """An HF model with large weights (sharp, saturating attention) and a bridge of a copy."""
+    config = CONFIGS[family](2)
+    config.initializer_range = 0.3
+    torch.manual_seed(0)
+    lm = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer().save_pretrained(folder)
+        booted = TransformerBridge.boot_transformers(
+            folder, hf_model=copy.deepcopy(lm), device="cpu"
+        )
+    return lm, booted.eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_the_qk_fix_equals_the_bridges_on_the_same_weights(family):
+    lm, on_bridge = sharp_pair(family)
+    clean, corrupted = ids(2, 6, seed=11), ids(2, 6, seed=12)
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    _, bridge_cache = on_bridge.run_with_cache(clean)
+    fixed = attribution_patch(lm, corrupted, clean_cache, linear_metric, activations=["k", "q"])
+    expected = attribution_patch(
+        on_bridge, corrupted, bridge_cache, linear_metric, activations=["k", "q"]
+    )
+    plain = attribution_patch(
+        lm, corrupted, clean_cache, linear_metric, activations=["k", "q"], qk_fix=False
+    )
+    for name in ("k", "q"):
+        torch.testing.assert_close(
+            fixed.estimates[name], expected.estimates[name], atol=TOL, rtol=TOL
+        )
+        # The fix recomputes a saturating softmax: far from the plain estimate here.
+        effect = (fixed.estimates[name] - fixed.baseline).abs().max()
+        assert (fixed.estimates[name] - plain.estimates[name]).abs().max() > 0.05 * effect
+
+
 EXACT = {
-    "k": safelens.get_act_patch_attn_head_k_by_pos,
-    "v": safelens.get_act_patch_attn_head_v_by_pos,
-    "resid_pre": safelens.get_act_patch_resid_pre,
-    "attn_out": safelens.get_act_patch_attn_out,
-    "mlp_out": safelens.get_act_patch_mlp_out,
+    "k": "attn_head_k_by_pos",
+    "v": "attn_head_v_by_pos",
+    "q": "attn_head_q_by_pos",
+    "z": "attn_head_out_by_pos",
+    "pattern": "attn_head_pattern_dest_src_pos",
+    "resid_pre": "resid_pre",
+    "resid_mid": "resid_mid",
+    "attn_out": "attn_out",
+    "mlp_out": "mlp_out",
 }
 
 
@@ -148,10 +212,12 @@ def test_verification_gives_the_exact_sweeps_values(family):
     clean, corrupted = ids(2, 6, seed=11), ids(2, 6, seed=12)
     _, clean_cache = run_with_patching_cache(lm, clean)
     result = attribution_patch(
-        lm, corrupted, clean_cache, linear_metric, activations=SITES, qk_fix=False, verify_top_k=4
+        lm, corrupted, clean_cache, linear_metric, activations=SITES, verify_top_k=4
     )
     for name, sweep in EXACT.items():
-        exact = sweep(lm, corrupted, clean_cache, linear_metric, progress=False)
+        exact = getattr(safelens, f"get_act_patch_{sweep}")(
+            lm, corrupted, clean_cache, linear_metric, progress=False
+        )
         verified = result.exact[name].isfinite()
         assert int(verified.sum()) == 4
         torch.testing.assert_close(
@@ -195,17 +261,11 @@ def test_frozen_parameters_still_give_gradients():
         torch.testing.assert_close(got.estimates[name], expected.estimates[name])
 
 
-def test_sites_a_plain_model_lacks_are_refused_with_the_reason():
+def test_a_clean_cache_without_the_site_is_refused_naming_its_maker():
     lm = model("llama")
-    clean, corrupted = ids(1, 5, seed=11), ids(1, 5, seed=12)
-    _, clean_cache = run_with_patching_cache(lm, clean)
+    corrupted = ids(1, 5, seed=12)
     with pytest.raises(
-        PatchingError, match=r"activation 'z' has no hook point on a plain HuggingFace"
+        PatchingError,
+        match=r"no activation 'blocks.0.attn.hook_q'.*safelens.run_with_patching_cache\(model",
     ):
-        attribution_patch(lm, corrupted, clean_cache, linear_metric, activations=["z"])
-    with pytest.raises(PatchingError, match=r"the QK fix .*pass qk_fix=False"):
-        attribution_patch(lm, corrupted, clean_cache, linear_metric, activations=["k"])
-    with pytest.raises(
-        PatchingError, match=r"safelens.run_with_patching_cache\(model, clean_tokens\)"
-    ):
-        attribution_patch(lm, corrupted, {}, linear_metric, activations=["v"])
+        attribution_patch(lm, corrupted, {}, linear_metric, activations=["q"], qk_fix=False)

@@ -106,17 +106,24 @@ class Plan:
     sites: dict[str, Site]
     qk: dict[str, Site] | None
 
+    def clean_names(self) -> list[str]:
+        """The clean cache's names the estimates read."""
+        sites = [*self.sites.values(), *((self.qk["qk_q"], self.qk["qk_k"]) if self.qk else ())]
+        layers = range(self.backend.n_layers)
+        return sorted({site.clean(layer) for site in sites for layer in layers})
+
     def reads(self) -> list[Read]:
         """Every tensor the corrupted pass keeps, gradients for the sites and the pattern."""
         layers = range(self.backend.n_layers)
         reads = {
-            (name, layer): Read((name, layer), site.hook(layer), True)
+            (name, layer): Read((name, layer), site.hook(layer), True, site.activation)
             for name, site in self.sites.items()
             for layer in layers
         }
         for role, site in (self.qk or {}).items():
             for layer in layers:
-                reads[(role, layer)] = Read((role, layer), site.hook(layer), role == "pattern")
+                grad = role == "pattern" or (role, layer) in reads
+                reads[(role, layer)] = Read((role, layer), site.hook(layer), grad, site.activation)
         return list(reads.values())
 
 
@@ -179,8 +186,15 @@ def _check_hooked_attention(cfg: Any, qk_fix: bool) -> None:
         )
 
 
-def _clean(plan: Plan, clean_cache: Any, name: str, like: torch.Tensor) -> torch.Tensor:
-    """The clean activation `name`, checked against the corrupted run's `like`."""
+def _clean(
+    plan: Plan, clean_cache: Any, site: Site, layer: int, like: torch.Tensor
+) -> torch.Tensor:
+    """`site`'s clean activation at `layer`, checked against the corrupted run's `like`.
+
+    In `like`'s layout: a clean tensor stored position-major where the site's hook sees
+    it head-major (`site.transposed`) is transposed.
+    """
+    name = site.clean(layer)
     how = (
         "safelens.run_with_patching_cache(model, clean_tokens)"
         if plan.backend.family == "hf"
@@ -193,6 +207,8 @@ def _clean(plan: Plan, clean_cache: Any, name: str, like: torch.Tensor) -> torch
             f"clean_cache has no activation {name!r}, which attribution_patch reads; run the "
             f"clean prompt with {how}"
         ) from None
+    if site.transposed:
+        clean = clean.transpose(1, 2)
     if clean.shape[0] not in (1, like.shape[0]) or clean.shape[1:] != like.shape[1:]:
         raise PatchingError(
             f"clean_cache[{name!r}] has shape {tuple(clean.shape)}; expected "
@@ -215,7 +231,7 @@ def _layer_effects(
     if plan.qk is None or name not in _FIXED:
         site = plan.sites[name]
         corrupted = reads.acts[key]
-        delta = _clean(plan, clean_cache, site.clean(layer), corrupted) - corrupted
+        delta = _clean(plan, clean_cache, site, layer, corrupted) - corrupted
         product = reads.grads[key] * delta
         if name == "pattern":  # [batch, n_heads, dest_pos, src_pos]: no d_head to sum
             return product.double()
@@ -228,7 +244,7 @@ def _layer_effects(
     scores_of = scores_function(plan.backend.model, plan.backend.family, layer, q, k, scores)
     role = "qk_k" if name == "k" else "qk_q"
     raw = reads.acts[(role, layer)]
-    clean = _position_major(qk[role], _clean(plan, clean_cache, qk[role].clean(layer), raw))
+    clean = _position_major(qk[role], _clean(plan, clean_cache, qk[role], layer, raw))
     if name == "k":
         return key_effects(scores_of, scores, grad, q, k, clean)
     return query_effects(scores_of, scores, grad, q, k, clean)
@@ -268,14 +284,15 @@ def attribution_patch(
 
     Same arguments as the exact sweeps (e.g.
     [`get_act_patch_attn_head_k_by_pos`][safelens.get_act_patch_attn_head_k_by_pos]),
-    same result shapes; see the module notes for what is approximated and when to
-    trust it.
+    same result shapes; the how-to "Attribution patching" says what is approximated,
+    when to trust it, and how well it agrees with the exact sweeps.
 
     **Arguments:**
 
     - `model`: a `HookedTransformer`, a TransformerLens `TransformerBridge` or a plain
-      HuggingFace causal LM (on which the sites its sweeps patch are read: keys,
-      values, `resid_pre`, `attn_out`, `mlp_out`).
+      HuggingFace causal LM (read where its exact sweeps patch it; a family without a
+      site, such as `resid_mid` in parallel-attention families, is refused with the
+      reason).
     - `corrupted_tokens`: `[batch, pos]` tokens of the corrupted run.
     - `clean_cache`: the clean run's cache, as the exact sweeps take it:
       `model.run_with_cache(clean_tokens)` (`HookedTransformer`, bridge) or

@@ -143,7 +143,8 @@ def attribution_patch_dataset(
             )
             value = reads.value.reshape(-1).double()
             baselines.append(value[: rows.numel()])
-            found = effects(chosen, reads, clean_cache_of(backend, some_clean))
+            clean_cache = clean_cache_of(backend, some_clean, chosen.clean_names())
+            found = effects(chosen, reads, clean_cache)
             for name, effect in found.items():
                 shaped = value.reshape(-1, *[1] * (effect.dim() - 1))
                 grids[name].append((effect + shaped)[: rows.numel()])

@@ -5,10 +5,10 @@ Attribution reads an activation where the exact sweeps patch it, on each model f
 | family | sites read | clean cache |
 | --- | --- | --- |
 | `HookedTransformer`, TransformerBridge | TransformerLens' hook points `blocks.{l}.…` (`get_act_name`): `attn.hook_{q,k,v,z}` `[batch, pos, heads, d_head]`, `attn.hook_pattern` `[batch, n_heads, dest_pos, src_pos]`, `hook_{resid_pre,resid_mid,attn_out,mlp_out}` `[batch, pos, d_model]` | `model.run_with_cache(clean_tokens)` |
-| plain HuggingFace model | the sweeps' seams (`safelens.patching._hf_sites`): keys and values at the cache's `hook_k_new` / `hook_v_new`, head-major and keys after the rotary embedding; `resid_pre` the decoder layer's input; `attn_out`, `mlp_out` the modules' outputs | [`run_with_patching_cache`][safelens.run_with_patching_cache] |
+| plain HuggingFace model | the sweeps' sites (`safelens.patching._hf_sites`): keys and values at the cache's `hook_k_new` / `hook_v_new`, head-major and keys after the rotary embedding; queries, scores and patterns at the attention function, head-major; `z` the output projection's input; `resid_pre`, `resid_mid` the inputs of the decoder layer and of the norm before the MLP; `attn_out`, `mlp_out` the modules' outputs | [`run_with_patching_cache`][safelens.run_with_patching_cache] |
 
-A first-order estimate of a key patch at one position is the same on either side of the
-rotary embedding: the rotation of a position is a fixed linear map `R`, and
+A first-order estimate of a key or query patch at one position is the same on either
+side of the rotary embedding: the rotation of a position is a fixed linear map `R`, and
 `grad_k · Δk = (Rᵀ grad_rot) · Δk = grad_rot · (R Δk)`.
 
 The pass is one forward through a fresh safelens cache, whose hooks keep each tensor
@@ -22,18 +22,16 @@ activation memory.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..backends._backend import Backend
-from ..backends.hf._seams import input_edits
 from ..core._errors import PatchingError
 from ..core._thread_hooks import thread_hooks
-from ._hf_sites import TL_NAMES, Site, decoder_layer, site_of
+from ._hf_sites import TL_NAMES, Site, site_edits, site_of
 
 __all__ = ["Read", "Reads", "corrupted_pass", "qk_reads", "site_for"]
 
@@ -43,8 +41,9 @@ class Read:
     """One tensor of one layer the corrupted pass keeps, and whether its gradient is wanted."""
 
     key: tuple[str, int]  # (activation or QK role, layer)
-    hook: str | None  # the hook that sees it; `None`: a HuggingFace decoder layer's input
+    hook: str | None  # the hook that sees it; `None`: the HuggingFace seam of `seam`
     grad: bool
+    seam: str
 
 
 @dataclass
@@ -91,13 +90,8 @@ def qk_reads(backend: Backend) -> dict[str, Site]:
     embedding), `scores` its scores before the softmax, `pattern` its pattern.
     """
     if backend.family == "hf":
-        raise PatchingError(
-            "the QK fix recomputes attention from queries, keys and scores, which a plain "
-            f"HuggingFace model ({type(backend.model).__name__}) does not expose to the "
-            "sweeps yet; pass qk_fix=False for plain gradient estimates of k (values, "
-            "resid_pre, attn_out and mlp_out need no fix), or wrap the model in a "
-            "TransformerBridge"
-        )
+        sites = {"qk_q": "q", "qk_k": "k", "scores": "attn_scores", "pattern": "pattern"}
+        return {role: site_of(backend, activation) for role, activation in sites.items()}
     heads = _heads(backend, "q")
     rotary = "blocks.0.attn.hook_rot_q" in backend.model.hook_dict
     q, k = ("attn.hook_rot_q", "attn.hook_rot_k") if rotary else ("attn.hook_q", "attn.hook_k")
@@ -133,7 +127,7 @@ def corrupted_pass(
         return hook
 
     with torch.enable_grad():
-        logits = _logits(backend, tokens, [(read.hook, read.key, keep(read.key)) for read in reads])
+        logits = _logits(backend, tokens, [(read, keep(read.key)) for read in reads])
         value = metric(logits)
         _check_value(value, tuple(logits.shape), rows)
         if not value.requires_grad:
@@ -144,7 +138,7 @@ def corrupted_pass(
             )
         missing = [read for read in reads if read.key not in kept]
         if missing:
-            what = missing[0].hook or f"the input of decoder layer {missing[0].key[1]}"
+            what = missing[0].hook or f"the {missing[0].seam} of layer {missing[0].key[1]}"
             raise PatchingError(
                 f"the corrupted run fired no {what} (of {len(missing)} hook points "
                 f"attribution_patch reads), so this {type(backend.model).__name__}'s attention "
@@ -163,14 +157,14 @@ def corrupted_pass(
     return Reads(value.detach(), acts, gradients)
 
 
-Hooked = list[tuple[str | None, tuple[str, int], Callable[..., torch.Tensor]]]
+Hooked = list[tuple[Read, Callable[..., torch.Tensor]]]
 
 
 def _logits(backend: Backend, tokens: torch.Tensor, hooked: Hooked) -> torch.Tensor:
     """The corrupted logits through a fresh cache, with `hooked` on this thread's pass."""
     model = backend.model
     cache = backend.empty_cache(tokens.shape[0])
-    named = [(hook, fn) for hook, _, fn in hooked if hook is not None]
+    named = [(read.hook, fn) for read, fn in hooked if read.hook is not None]
     if backend.family == "hooked":
         from ._grid import _attention_mask_of
 
@@ -188,22 +182,51 @@ def _logits(backend: Backend, tokens: torch.Tensor, hooked: Hooked) -> torch.Ten
             named = [("hook_embed", _leaf), *named]
         with backend.pass_hooks(cache, named):
             return backend.forward(tokens, mask, cache)
-    inputs = {key[1]: fn for hook, key, fn in hooked if hook is None}
-    with _layer_inputs(backend, inputs), backend.pass_hooks(cache, named):
+    kept: dict[str, dict[int, list[Callable[..., torch.Tensor]]]] = {}
+    for read, fn in hooked:
+        if read.hook is None:
+            kept.setdefault(read.seam, {}).setdefault(read.key[1], []).append(fn)
+    seams = {
+        seam: {layer: _own(seam, fns) for layer, fns in by_layer.items()}
+        for seam, by_layer in kept.items()
+    }
+    inputs = seams.setdefault("resid_pre", {})
+    inputs[0] = _leaf_first(inputs.get(0))
+    with site_edits(backend, seams), backend.pass_hooks(cache, named):
         return backend.forward(tokens, backend.default_mask(tokens), cache)
 
 
-@contextmanager
-def _layer_inputs(backend: Backend, keep: dict[int, Callable[..., torch.Tensor]]) -> Iterator[None]:
-    """The first decoder layer's input made a leaf; `keep[layer]` sees layer `layer`'s input."""
+def _own(
+    seam: str, keep: list[Callable[..., torch.Tensor]]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The `keep` hooks of one HuggingFace seam, handing on a tensor the pass then uses.
+
+    A seam may show a view of what the pass computes with (`z`: the output projection's
+    input split into heads), used on only when an edit returns another tensor, so each
+    gets a view of its own; `resid_mid` is the residual stream itself, edited in place,
+    kept as it is.
+    """
+
+    def edit(tensor: torch.Tensor) -> torch.Tensor:
+        if seam != "resid_mid":
+            tensor = tensor.view_as(tensor)
+        for fn in keep:
+            tensor = fn(tensor)
+        return tensor
+
+    return edit
+
+
+def _leaf_first(
+    keep: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The first decoder layer's input made a leaf (a graph with frozen parameters), kept."""
 
     def first(hidden: torch.Tensor) -> torch.Tensor:
         leaf = _leaf(hidden)
-        return keep[0](leaf) if 0 in keep else leaf
+        return leaf if keep is None else keep(leaf)
 
-    edits = {**keep, 0: first}
-    with input_edits({decoder_layer(backend, layer): edit for layer, edit in edits.items()}):
-        yield
+    return first
 
 
 def _leaf(tensor: torch.Tensor, hook: Any = None) -> torch.Tensor:

@@ -43,7 +43,7 @@ import torch
 from jaxtyping import Float, Int
 from tqdm import tqdm
 
-from ..backends._backend import Backend, backend_of
+from ..backends._backend import Backend, NamesFilter, backend_of
 from ..backends._supported import SupportedModel
 from ..core._arguments import described, flag, is_int, positive_int
 from ..core._errors import PatchingError
@@ -192,16 +192,16 @@ def check_options(
 
 
 def clean_cache_of(
-    backend: Backend, clean: torch.Tensor, names_filter: Callable[[str], bool] | None = None
+    backend: Backend, clean: torch.Tensor, names_filter: NamesFilter | None = None
 ) -> Any:
     """The clean cache the sweeps read on `backend`'s family, for the prompts `clean`.
 
-    `names_filter`: on a HuggingFace model, the names to keep (default: every one).
+    `names_filter`: keep only the activations it names (default: every one).
     """
     with torch.no_grad():
         if backend.family == "hf":
             return run_with_patching_cache(backend.model, clean, names_filter=names_filter)[1]
-        return backend.model.run_with_cache(clean)[1]
+        return backend.model.run_with_cache(clean, names_filter=names_filter)[1]
 
 
 def lone_pair_doubled(
