@@ -295,7 +295,25 @@ def test_bad_inputs_are_refused_naming_them_and_leave_no_hooks(family):
         patch_dataset(
             sweep, lm, clean, corrupted, lambda logits, pairs: logits[:1, -1, 0], progress=False
         )
-    if family == "hf":
+    if family == "hf":  # a query sweep runs on a plain model too, pair by pair
+        queries = patch_dataset(
+            safelens.get_act_patch_attn_head_q_by_pos,
+            lm,
+            clean,
+            corrupted,
+            pair_metric,
+            n_bootstrap=10,
+            progress=False,
+        )
+        _, clean_cache = run_with_patching_cache(lm, clean[:1])
+        single = safelens.get_act_patch_attn_head_q_by_pos(
+            lm,
+            corrupted[:1],
+            clean_cache,
+            lambda logits: pair_metric(logits, torch.zeros(len(logits), dtype=torch.long)),
+            progress=False,
+        )
+        assert (queries.per_pair[0] - single).abs().max() <= 1e-5
         assert no_hooks(lm)
     else:
         assert all(not point._forward_hooks for point in lm.hook_dict.values())
