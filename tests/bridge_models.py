@@ -44,13 +44,16 @@ def _tokenizer() -> transformers.PreTrainedTokenizerFast:
     )
 
 
+def boot(hf_model: torch.nn.Module) -> TransformerBridge:
+    """A TransformerBridge over `hf_model` (booting changes its attention modules in place)."""
+    with tempfile.TemporaryDirectory() as folder:
+        _tokenizer().save_pretrained(folder)
+        booted = TransformerBridge.boot_transformers(folder, hf_model=hf_model, device="cpu")
+    booted.eval()
+    return booted
+
+
 @functools.cache
 def bridge(name: str = "llama", layers: int = 2) -> TransformerBridge:
     """A TransformerBridge over a tiny random-weight HF model of family `name`; cached."""
-    with tempfile.TemporaryDirectory() as folder:
-        _tokenizer().save_pretrained(folder)
-        booted = TransformerBridge.boot_transformers(
-            folder, hf_model=_hf_model(name, layers), device="cpu"
-        )
-    booted.eval()
-    return booted
+    return boot(_hf_model(name, layers))

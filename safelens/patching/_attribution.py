@@ -47,11 +47,12 @@ from ..backends._backend import Backend, backend_of
 from ..core._arguments import flag, positive_int
 from ..core._errors import PatchingError
 from ..core._thread_hooks import thread_hooks
+from ._clean_cache import CLEAN_CACHE_OF, axes_of, backend_sizes, check_clean_cache, shape_error
 from ._hf_shortcuts import tolerance
 from ._hf_sites import _tokens
 from ._hf_sweeps import _check_no_dropout
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
-from ._metric import Metric
+from ._metric import Metric, check_metric
 from ._patterns import _check_pattern_hook
 from ._qk_fix import Scores, key_effects, query_effects
 from ._sweeps import generic_activation_patch
@@ -238,10 +239,13 @@ def _clean(clean_cache: Any, name: str, like: torch.Tensor) -> torch.Tensor:
             "clean prompt with model.run_with_cache(clean_tokens), without a names_filter"
         ) from None
     if clean.shape[0] not in (1, like.shape[0]) or clean.shape[1:] != like.shape[1:]:
-        raise PatchingError(
-            f"clean_cache[{name!r}] has shape {tuple(clean.shape)}; expected "
-            f"[batch={like.shape[0]} or 1, {', '.join(map(str, like.shape[1:]))}] to match "
-            "corrupted_tokens. Clean and corrupted prompts must have the same length"
+        raise shape_error(
+            name,
+            tuple(clean.shape),
+            tuple(like.shape[1:]),
+            like.shape[0],
+            axes_of(name),
+            CLEAN_CACHE_OF["hooked"],
         )
     return clean.to(like.device, like.dtype).expand_as(like)
 
@@ -382,6 +386,8 @@ def attribution_patch(
     backend, chosen = _check(model, activations, qk_fix, verify_top_k)
     _check_limits(max_batch, max_bytes, progress)
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
+    check_clean_cache(clean_cache, backend_sizes(backend), CLEAN_CACHE_OF[backend.family])
+    check_metric(patching_metric)
     _check_no_dropout(backend.model)
     if qk_fix and {"k", "q"} & set(chosen):
         # The fix reads the gradient at `hook_pattern`: the attention must use its output.

@@ -51,7 +51,7 @@ from ..experiments._prefix import token_limits
 from ._hf_sites import run_with_patching_cache
 from ._hf_sweeps import is_seam_model
 from ._limits import DEFAULT_MAX_BYTES
-from ._metric import reads_last_position
+from ._metric import check_metric, reads_last_position
 
 __all__ = ["PatchingResult", "patch_dataset"]
 
@@ -226,6 +226,7 @@ def patch_dataset(
     positive_int(n_bootstrap, "n_bootstrap", error=PatchingError)
     positive_int(max_bytes, "max_bytes", error=PatchingError)
     flag(progress, "progress", error=PatchingError)
+    check_metric(metric, "metric")
     if not is_int(seed) or seed < 0:
         raise PatchingError(f"seed must be a non-negative int, got {described(seed)}")
     if isinstance(confidence, bool) or not isinstance(confidence, float | int):

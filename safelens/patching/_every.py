@@ -43,6 +43,7 @@ from jaxtyping import Float, Int
 
 from ..backends._backend import backend_of
 from ..core._errors import PatchingError
+from ._clean_cache import CLEAN_CACHE_OF, backend_sizes, check_clean_cache, hooked_sizes
 from ._hf_sites import TL_NAMES, _tokens, clean_activation, site_of
 from ._hf_sweeps import is_seam_model
 from ._patterns import (
@@ -85,6 +86,7 @@ def _check_seam_model(
     """
     backend = backend_of(model, bundle)
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
+    check_clean_cache(clean_cache, backend_sizes(backend), CLEAN_CACHE_OF[backend.family])
     # The pattern last: its probe pass (which says why a bridge may not have it) after
     # the checks that need no forward pass.
     for activation in sorted(activations, key=lambda activation: activation == "pattern"):
@@ -119,6 +121,7 @@ def _check_clean_cache(
         return
     if not hasattr(model, "cfg"):
         return
+    check_clean_cache(clean_cache, hooked_sizes(model.cfg), CLEAN_CACHE_OF["hooked"])
     for activation in activations:
         for layer in range(model.cfg.n_layers):
             name = f"blocks.{layer}.{TL_NAMES[activation]}"

@@ -27,6 +27,7 @@ import torch
 
 from ..backends._backend import backend_of
 from ..core._errors import PatchingError
+from ._clean_cache import CLEAN_CACHE_OF, axes_of, backend_sizes, check_clean_cache, shape_error
 from ._hf_sites import Site, _tokens
 from ._hf_sweeps import Editor, Run, run_sweep
 from ._index import check_index_choice, check_setter_result, index_grid
@@ -65,6 +66,7 @@ def seam_generic(
     _check_limits(max_batch, max_bytes, progress)
     check_index_choice(index_axis_names, index_df)
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
+    check_clean_cache(clean_cache, backend_sizes(backend), CLEAN_CACHE_OF["bridge"])
     batch, length = tokens.shape
     names = [get_act_name(activation_name, layer) for layer in range(backend.n_layers)]
     for layer, name in enumerate(names):
@@ -89,10 +91,13 @@ def seam_generic(
     def editor(layer: int, at: list[tuple[int, Any]]) -> Callable[[torch.Tensor], torch.Tensor]:
         def edit(tensor: torch.Tensor) -> torch.Tensor:
             if clean[layer].shape[1:] != tensor.shape[1:]:
-                raise PatchingError(
-                    f"clean_cache[{names[layer]!r}] has shape {tuple(clean[layer].shape)}; the "
-                    f"corrupted run's is [batch, {', '.join(map(str, tensor.shape[1:]))}]. "
-                    "Clean and corrupted prompts must have the same length"
+                raise shape_error(
+                    names[layer],
+                    tuple(clean[layer].shape),
+                    tuple(tensor.shape[1:]),
+                    batch,
+                    axes_of(names[layer]),
+                    CLEAN_CACHE_OF["bridge"],
                 )
             for place, run in at:
                 rows = tensor[place * batch : (place + 1) * batch]
@@ -127,10 +132,10 @@ def _clean(clean_cache: Any, name: str, batch: int) -> torch.Tensor:
     """The clean activation `name`, checked for its batch."""
     try:
         clean = clean_cache[name]
-    except (KeyError, TypeError):
+    except KeyError:
         raise PatchingError(
             f"clean_cache has no activation {name!r}; pass the clean cache of "
-            "bridge.run_with_cache(clean_tokens)"
+            f"{CLEAN_CACHE_OF['bridge']}"
         ) from None
     if not isinstance(clean, torch.Tensor) or clean.shape[0] not in (1, batch):
         raise PatchingError(

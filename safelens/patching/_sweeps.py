@@ -48,6 +48,7 @@ import pandas as pd
 import torch
 from jaxtyping import Int
 
+from ..core._errors import PatchingError
 from ._hf_sites import TL_NAMES, TL_NAMES_ON_HF
 from ._hf_sweeps import is_seam_model, seam_patch
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
@@ -233,6 +234,11 @@ def generic_activation_patch(
 
     ```
     """
+    if not isinstance(activation_name, str):
+        raise PatchingError(
+            f"activation_name must be a str such as 'resid_pre', 'z' or 'k', as "
+            f"get_act_name spells it, got {type(activation_name).__name__} {activation_name!r}"
+        )
     if is_seam_model(model):
         from ._hf_generic import seam_generic
 
