@@ -73,7 +73,7 @@ __all__ = [
     "get_act_patch_block_every",
 ]
 
-Sweep = Callable[..., torch.Tensor]
+Sweep = Callable[..., Any]
 
 
 def _check_seam_model(
@@ -173,7 +173,9 @@ def _stack(
 
 def _pattern_by_dest_pos(*args: Any, **kwargs: Any) -> Float[torch.Tensor, "layer pos n_heads"]:
     """`get_act_patch_attn_head_pattern_by_pos` with its head and position axes swapped."""
-    return get_act_patch_attn_head_pattern_by_pos(*args, **kwargs).transpose(-1, -2)
+    swept = get_act_patch_attn_head_pattern_by_pos(*args, **kwargs)
+    assert isinstance(swept, torch.Tensor)  # the sweep itself: no index_df was asked for
+    return swept.transpose(-1, -2)
 
 
 def get_act_patch_block_every(
