@@ -34,13 +34,16 @@ def reference(name: str = "llama") -> torch.nn.Module:
     return _hf_model(name)
 
 
+def boot(hf_model: torch.nn.Module) -> TransformerBridge:
+    """A TransformerBridge over `hf_model` (booting changes its attention modules in place)."""
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer().save_pretrained(folder)
+        booted = TransformerBridge.boot_transformers(folder, hf_model=hf_model, device=DEVICE)
+    booted.eval()
+    return booted
+
+
 @functools.cache
 def bridge(name: str = "llama", layers: int = 2) -> TransformerBridge:
     """A TransformerBridge over a tiny random-weight HF model of family `name`; cached."""
-    with tempfile.TemporaryDirectory() as folder:
-        tokenizer().save_pretrained(folder)
-        booted = TransformerBridge.boot_transformers(
-            folder, hf_model=_hf_model(name, layers), device=DEVICE
-        )
-    booted.eval()
-    return booted
+    return boot(_hf_model(name, layers))

@@ -232,6 +232,7 @@ def test_crop_bad_length(length, error, match) -> None:
         (torch.tensor([1, 0]), [1, 0]),
         (torch.tensor([True, False, False, True]), [0, 3]),
         ([True, False, True, False], [0, 2]),
+        (None, torch.arange(4)[None].reshape(-1).tolist()),  # torch's meaning: every row
     ],
 )
 def test_select(rows, picked: list[int]) -> None:

@@ -110,6 +110,33 @@ def test_nested_lists_still_append_along_any_axis():
     assert cache[0].keys == [[[1]], [[3]]] and cache[0].values == [[[2]], [[4]]]
 
 
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ([[["a"]]], r"layer 0: keys\[0\]\[0\]\[0\] is str 'a'; keys must be numbers"),
+        ([[[None]]], r"keys\[0\]\[0\]\[0\] is NoneType None"),
+        ([[[1]], [[2, 3]]], r"keys is a ragged nested list: keys\[1\]\[0\] has 2 items"),
+        ([[1], 2], r"keys is a ragged nested list: keys\[1\] is int 2"),
+        ("abc", "layer 0: keys is str 'abc'; keys must be numbers: a tensor, a numpy array"),
+        ({"k": 1}, "keys is dict"),
+    ],
+    ids=repr,
+)
+@pytest.mark.parametrize("first", [True, False], ids=["empty", "after a list"])
+def test_list_keys_that_are_not_numbers_are_refused(bad, match, first):
+    cache = KeyValueCache()
+    if not first:
+        cache.append(0, keys=[[[1]]], values=[[[2]]])
+    before = cache[0].to_dict()
+    with pytest.raises(CacheShapeError, match=match):
+        cache.append(0, keys=bad, values=[[[2]]])
+    with pytest.raises(CacheShapeError, match=match.replace("keys", "values")):
+        cache.append(0, keys=[[[2]]], values=bad)
+    assert cache[0].to_dict() == before
+    with pytest.raises(CacheShapeError, match=match.replace("layer 0", "entry")):
+        KeyValueCacheEntry(bad, [[[1]]])
+
+
 def test_numpy_into_a_tensor_cache():
     cache = filled()
     keys, values = kv(pos=1, seed=8)
@@ -261,6 +288,28 @@ def test_append_attention_mask_without_a_previous_mask(mask):
     assert type(again) is type(mask)
     assert np.asarray(again).tolist() == [[1, 1, 0, 1, 1, 0]]
     assert np.asarray(cache.previous_attention_mask).tolist() == [[1, 1, 0, 1, 1, 0]]
+
+
+@pytest.mark.parametrize(
+    "mask, match",
+    [
+        (
+            [[1], [1]],
+            r"attention_mask of shape \(2, 1\) does not fit the cached mask of shape \(1, 3\)",
+        ),
+        (np.ones((3, 1), int), r"attention_mask of shape \(3, 1\) does not fit"),
+        ([1], r"attention_mask of shape \(1,\) does not fit"),
+        ("1", "attention_mask is str '1'; attention_mask must be numbers"),
+        ([["a"]], r"attention_mask\[0\]\[0\] is str 'a'"),
+    ],
+    ids=repr,
+)
+def test_a_list_mask_that_does_not_fit_names_the_attention_mask(mask, match):
+    cache = KeyValueCache()
+    cache.append_attention_mask([[1, 1, 0]])
+    with pytest.raises(CacheShapeError, match=match):
+        cache.append_attention_mask(mask)
+    assert cache.previous_attention_mask == [[1, 1, 0]]
 
 
 def test_bad_attention_mask_changes_nothing():

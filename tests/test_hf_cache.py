@@ -256,6 +256,12 @@ def test_select_cropped_clone_return_new_caches():
         cache.cropped(7)
     with pytest.raises(TypeError, match="rows must be"):
         cache.select(0.5)
+    every = cache.select(None)  # every row, as `tensor[None]` keeps every row
+    assert every.batch_size == 2 and not every.storages() & cache.storages()
+    assert all(
+        torch.equal(mine, theirs)
+        for mine, theirs in zip(state(every), state(cache.select(slice(None))), strict=True)
+    )
 
 
 def test_crop_is_in_place_with_hf_meaning_and_refuses_keyvaluecache_meaning():

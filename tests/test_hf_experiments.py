@@ -407,6 +407,25 @@ def test_capture_keeps_head_major_positions_and_heads():
         run_with_cache_capture(lm, ids(1, 1), cache=prefix.cache.fork(), names="model.layers.0.mlp")
 
 
+@pytest.mark.parametrize(
+    "argument, value, match",
+    [
+        ("positions", "0", "positions must be an int, a sequence of ints or None, got str '0'"),
+        ("positions", [[0]], r"positions must hold ints, got \[0\] \(list\) at index 0"),
+        ("heads", ["a"], r"heads must hold ints, got 'a' \(str\) at index 0"),
+    ],
+)
+def test_capture_names_positions_and_heads_that_are_not_ints(argument, value, match):
+    lm = model("llama")
+    prefix = prefill(lm, ids(1, 6))
+    branch = prefix.cache.fork()
+    with pytest.raises(HookError, match=match):
+        run_with_cache_capture(
+            lm, ids(1, 2), cache=branch, attention_mask=torch.ones(1, 8), **{argument: value}
+        )
+    assert branch.get_seq_length() == 6 and no_hooks(lm)
+
+
 def test_a_prefix_of_another_family_or_size_is_refused_before_anything_runs():
     lm = model("llama")
     foreign = prefill(model("gpt2"), ids(1, 5))  # 4 key/value heads, llama has 2

@@ -400,6 +400,25 @@ def test_capture_rejects_model_names_and_bad_indices(model) -> None:
     assert cache.sequence_length == 0
 
 
+@pytest.mark.parametrize(
+    "argument, value, match",
+    [
+        ("positions", "0", "positions must be an int, a sequence of ints or None, got str '0'"),
+        ("positions", ["a"], r"positions must hold ints, got 'a' \(str\) at index 0"),
+        ("positions", [[0]], r"positions must hold ints, got \[0\] \(list\) at index 0"),
+        ("positions", [1.5], r"positions must hold ints, got 1.5 \(float\) at index 0"),
+        ("positions", [0, True], r"positions must hold ints, got True \(bool\) at index 1"),
+        ("heads", "all", "heads must be an int, a sequence of ints or None, got str 'all'"),
+        ("heads", torch.tensor([0.5]), r"heads must hold ints, got tensor\(0.5000\)"),
+    ],
+)
+def test_capture_names_positions_and_heads_that_are_not_ints(model, argument, value, match) -> None:
+    cache = KeyValueCache.init_cache(model.cfg)
+    with pytest.raises(HookError, match=match):
+        safelens.run_with_cache_capture(model, tokens(1, 2), cache=cache, **{argument: value})
+    assert cache.sequence_length == 0
+
+
 # -- hooks cannot reach storage, and a refused call attaches nothing -------------------
 
 

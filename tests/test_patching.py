@@ -687,6 +687,41 @@ def test_index_df_is_checked(index_df, match: str) -> None:
         )
 
 
+@pytest.mark.parametrize(
+    ("arguments", "match"),
+    [
+        (
+            dict(index_axis_names="layer"),
+            r"index_axis_names must be a sequence of axis names such as \('layer', 'pos'\), got "
+            r"str 'layer'; for one axis pass \('layer',\)",
+        ),
+        (
+            dict(index_axis_names=("layer", "pos", "pos")),
+            r"index_axis_names \('layer', 'pos', 'pos'\) names an axis more than once",
+        ),
+        (
+            dict(activation_name=None),
+            "activation_name must be a str such as 'resid_pre', 'z' or 'k', as get_act_name "
+            "spells it, got NoneType None",
+        ),
+        (dict(patching_metric=None), "patching_metric must be a function of the logits, got None"),
+    ],
+)
+def test_generic_arguments_of_the_wrong_kind_are_named(arguments, match: str) -> None:
+    model, corrupted, clean_cache, metric = setup("standard")
+    given = dict(
+        patching_metric=metric,
+        patch_setter=tl_patching.layer_pos_patch_setter,
+        activation_name="resid_pre",
+        index_axis_names=("layer", "pos"),
+    )
+    with pytest.raises(PatchingError, match=match):
+        safelens.generic_activation_patch(
+            model, corrupted, clean_cache, **{**given, **arguments}, progress=False
+        )
+    assert not any(point._forward_hooks for point in model.hook_dict.values())
+
+
 def test_activations_a_model_lacks_are_named() -> None:
     attn_only = make_model("standard", attn_only=True, d_model=32)
     clean, corrupted = tokens(1, 5, seed=1), tokens(1, 5, seed=2)

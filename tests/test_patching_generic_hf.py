@@ -126,6 +126,12 @@ def test_bridge_generic_refuses_what_it_cannot_patch():
         generic(lm, corrupted[:, :5], clean_cache, metric, smear, "resid_pre", ("layer", "pos"))
     with pytest.raises(PatchingError, match="pass exactly one of index_axis_names"):
         generic(lm, corrupted, clean_cache, metric, smear, "resid_pre")
+    with pytest.raises(PatchingError, match="index_axis_names must be a sequence of axis names"):
+        generic(lm, corrupted, clean_cache, metric, smear, "resid_pre", "layer")
+    with pytest.raises(PatchingError, match="activation_name must be a str"):
+        generic(lm, corrupted, clean_cache, metric, smear, None, ("layer",))
+    with pytest.raises(PatchingError, match="patching_metric must be a function of the logits"):
+        generic(lm, corrupted, clean_cache, None, smear, "resid_pre", ("layer",), progress=False)
     assert all(not point._forward_hooks for point in lm.hook_dict.values())
 
 

@@ -19,13 +19,22 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from numbers import Real
 from typing import Any
 
 import torch
 
-__all__ = ["as_index", "described", "finite_number", "flag", "integer", "is_int", "positive_int"]
+__all__ = [
+    "as_index",
+    "described",
+    "finite_number",
+    "flag",
+    "indices",
+    "integer",
+    "is_int",
+    "positive_int",
+]
 
 
 def is_int(value: Any) -> bool:
@@ -50,6 +59,35 @@ def as_index(value: Any) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def indices(value: Any, name: str, *, error: type[Exception] = TypeError) -> int | tuple[int, ...]:
+    """`value` as an int, or a tuple of ints: positions, heads or layers as a user passes them.
+
+    An int (what `as_index` takes), or a sequence (a 1-D tensor too) of such ints;
+    bools, floats, strings and nested sequences are refused with `error` naming `name`.
+
+    ```python
+    >>> indices([0, -1], "positions"), indices(torch.tensor([2, 3]), "heads"), indices(1, "layers")
+    ((0, -1), (2, 3), 1)
+    >>> indices("0", "positions")
+    Traceback (most recent call last):
+    ...
+    TypeError: positions must be an int, a sequence of ints or None, got str '0'
+
+    ```
+    """
+    single = as_index(value)
+    if single is not None:
+        return single
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise error(f"{name} must be an int, a sequence of ints or None, got {described(value)}")
+    items = list(value)
+    picked = [as_index(item) for item in items]
+    for i, (item, index) in enumerate(zip(items, picked, strict=True)):
+        if index is None:
+            raise error(f"{name} must hold ints, got {item!r} ({type(item).__name__}) at index {i}")
+    return tuple(index for index in picked if index is not None)
 
 
 def described(value: Any) -> str:

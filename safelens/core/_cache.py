@@ -37,7 +37,7 @@ from ._frozen import FrozenFlag
 from ._hook_point import CacheHookPoint
 from ._persistence import Devices, load_cache, save_cache
 from ._storage import Sequence
-from ._values import concat_values, shape_of, to_like
+from ._values import check_numbers, concat_values, shape_of, to_like
 
 __all__ = ["KeyValueCache"]
 
@@ -105,6 +105,7 @@ class KeyValueCache:
                 raise TypeError(
                     f"entries[{layer}] must be a KeyValueCacheEntry, got {type(entry).__name__}"
                 )
+        check_numbers(previous_attention_mask, "previous_attention_mask")
         check_layout(given, previous_attention_mask)
         self._lazy = entries is None
         self._entries = {layer: entry.adopted(layer) for layer, entry in given.items()}
@@ -230,7 +231,16 @@ class KeyValueCache:
         differs from the cached mask's; the cache is then unchanged.
         """
         if not isinstance(self._mask, Sequence):
-            full = concat_values(self.previous_attention_mask, attention_mask, dim=-1)
+            check_numbers(attention_mask, "attention_mask")
+            held = self.previous_attention_mask
+            try:
+                full = concat_values(held, attention_mask, dim=-1)
+            except CacheShapeError as error:
+                raise CacheShapeError(
+                    f"attention_mask of shape {shape_of(attention_mask)} does not fit the cached "
+                    f"mask of shape {shape_of(held)}; expected [batch, new_tokens] with the "
+                    f"cached mask's batch ({error})"
+                ) from None
             if not self._frozen:
                 self.previous_attention_mask = full
             return full
@@ -379,6 +389,10 @@ class KeyValueCache:
 
     def select(self, rows: int | slice | list[int] | torch.Tensor) -> KeyValueCache:
         """The batch rows `rows` (any index torch accepts), in storage of their own.
+
+        `rows` is an int, a slice, a list of ints, an integer or bool tensor, or `None`
+        for every row (as `tensor[None]` keeps every row); floats and bools, which torch
+        would read as other rows than meant, are refused.
 
         ```python
         >>> cache = KeyValueCache([KeyValueCacheEntry(torch.zeros(4, 5, 2, 4), torch.zeros(4, 5, 2, 4))])

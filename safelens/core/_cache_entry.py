@@ -26,7 +26,7 @@ from ._errors import CacheShapeError, FrozenCacheError
 from ._frozen import FrozenFlag
 from ._hook_point import CacheHookPoint
 from ._storage import Sequence
-from ._values import concat_values, shape_of
+from ._values import check_numbers, concat_values, shape_of
 
 __all__ = ["KeyValueCacheEntry"]
 
@@ -58,6 +58,11 @@ def _check_pair(keys: Any, values: Any, where: str) -> None:
             f"{where}: {missing} is None but the other is not; pass both keys and values "
             "(or neither, for an entry that starts empty)"
         )
+    try:
+        check_numbers(keys, "keys")
+        check_numbers(values, "values")
+    except CacheShapeError as error:
+        raise CacheShapeError(f"{where}: {error}") from None
     key_shape, value_shape = shape_of(keys), shape_of(values)
     if key_shape is None or value_shape is None:
         return
@@ -178,7 +183,7 @@ class KeyValueCacheEntry:
 
     @keys.setter
     def keys(self, value: Any) -> None:
-        self._keys = _hold(value)
+        self._keys = _hold(self._numbers(value, "keys"))
 
     @property
     def values(self) -> Any:
@@ -187,7 +192,7 @@ class KeyValueCacheEntry:
 
     @values.setter
     def values(self, value: Any) -> None:
-        self._values = _hold(value)
+        self._values = _hold(self._numbers(value, "values"))
 
     past_keys = keys
     past_values = values
@@ -221,6 +226,14 @@ class KeyValueCacheEntry:
 
     def _where(self) -> str:
         return "entry" if self.layer is None else f"layer {self.layer}"
+
+    def _numbers(self, value: Any, name: str) -> Any:
+        """`value`, refused (naming this layer) if a nested list of it is not numbers."""
+        try:
+            check_numbers(value, name)
+        except CacheShapeError as error:
+            raise CacheShapeError(f"{self._where()}: {error}") from None
+        return value
 
     def _fit(self, name: str, new: Any, held: Sequence) -> torch.Tensor:
         """`new` as a tensor like `held`'s, or a `CacheShapeError` saying why not."""
@@ -390,6 +403,8 @@ class KeyValueCacheEntry:
         return keys, values
 
     def _append_plain(self, keys: Any, values: Any, dim: int) -> tuple[Any, Any]:
+        self._numbers(keys, "keys")
+        self._numbers(values, "values")
         try:
             full_keys = concat_values(self.keys, keys, dim=dim)
             full_values = concat_values(self.values, values, dim=dim)

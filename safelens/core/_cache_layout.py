@@ -5,8 +5,8 @@ pos_so_far, n_kv_heads, d_head]`, and a `[batch, pos_so_far]` integer attention 
 what is cached. `check_layout` refuses entries and a mask that cannot be one cache:
 layers of differing batch or `pos_so_far`, or a mask of another shape, rank or dtype.
 `check_rows` refuses batch-row indices that torch would read some other way than meant
-(floats, or a list mixing bools and ints); the HuggingFace cache selects rows with it
-too.
+(floats, or a list mixing bools and ints) and takes `None` as every row, as torch
+does; the HuggingFace cache selects rows with it too.
 
 Caveat: the checks read shapes only (entries whose keys are not tensors, as a plain
 list cache holds, are skipped), so they are cheap at every construction, and a cache
@@ -28,8 +28,11 @@ __all__ = ["check_layout", "check_rows", "row_index"]
 
 
 def check_rows(rows: Any) -> None:
-    """Refuse row indices that torch would read some other way (bools, floats)."""
-    if isinstance(rows, slice) or is_int(rows):
+    """Refuse row indices that torch would read some other way (bools, floats).
+
+    `None` passes: it keeps every row, as `tensor[None]` keeps every row of a tensor.
+    """
+    if rows is None or isinstance(rows, slice) or is_int(rows):
         return
     if isinstance(rows, torch.Tensor):
         if rows.dtype in (torch.bool,) or not (rows.is_floating_point() or rows.is_complex()):
@@ -52,8 +55,8 @@ def row_index(rows: Any, batch: int) -> torch.Tensor:
     `IndexError` for rows outside the batch or none at all.
 
     ```python
-    >>> row_index([0, -1], 4), row_index((0, 2), 4), row_index(slice(1, 3), 4)
-    (tensor([0, 3]), tensor([0, 2]), tensor([1, 2]))
+    >>> row_index([0, -1], 4), row_index((0, 2), 4), row_index(slice(1, 3), 4), row_index(None, 2)
+    (tensor([0, 3]), tensor([0, 2]), tensor([1, 2]), tensor([0, 1]))
 
     ```
     """

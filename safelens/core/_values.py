@@ -9,6 +9,7 @@ new value to the kind, dtype and device of the old one.
 
 from __future__ import annotations
 
+from numbers import Number
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,7 @@ import torch
 
 from ._errors import CacheShapeError
 
-__all__ = ["shape_of", "concat_values", "to_like"]
+__all__ = ["check_numbers", "shape_of", "concat_values", "to_like"]
 
 
 def shape_of(value: Any) -> tuple[int, ...] | None:
@@ -49,6 +50,62 @@ def shape_of(value: Any) -> tuple[int, ...] | None:
         inner = shape_of(value[0])
         return (len(value),) + (inner if inner is not None else ())
     return None
+
+
+def check_numbers(value: Any, what: str) -> None:
+    """Refuse `value` unless it is a tensor, an array, a number, `None` or nested lists of numbers.
+
+    A nested list (or tuple) must be rectangular and hold numbers only; every item is
+    read, so this costs a walk over a list cache's elements. Anything with a `.shape`
+    passes as an array.
+
+    **Raises:** [`CacheShapeError`][safelens.CacheShapeError] naming `what` and the
+    index of the first item that is not a number or has another length than its
+    siblings.
+
+    ```python
+    >>> check_numbers([[1, 2.5]], "keys")
+    >>> check_numbers([["a"]], "keys")
+    Traceback (most recent call last):
+    ...
+    safelens.core._errors.CacheShapeError: keys[0][0] is str 'a'; keys must be numbers: a tensor, a numpy array or nested lists of numbers
+
+    ```
+    """
+    if not isinstance(value, (list, tuple)):
+        if value is None or isinstance(value, Number) or hasattr(value, "shape"):
+            return
+        raise CacheShapeError(
+            f"{what} is {type(value).__name__} {value!r}; {what} must be numbers: a tensor, a "
+            "numpy array or nested lists of numbers"
+        )
+    shape = shape_of(value) or ()
+
+    def walk(item: Any, depth: int, where: str) -> None:
+        if depth == len(shape):
+            number = isinstance(item, Number) or (
+                isinstance(item, (torch.Tensor, np.ndarray)) and item.ndim == 0
+            )
+            if not number:
+                raise CacheShapeError(
+                    f"{where} is {type(item).__name__} {item!r}; {what} must be numbers: a "
+                    "tensor, a numpy array or nested lists of numbers"
+                )
+            return
+        if not isinstance(item, (list, tuple)) or len(item) != shape[depth]:
+            got = (
+                f"has {len(item)} items"
+                if isinstance(item, (list, tuple))
+                else f"is {type(item).__name__} {item!r}"
+            )
+            raise CacheShapeError(
+                f"{what} is a ragged nested list: {where} {got} where the first list at its "
+                f"depth has {shape[depth]}; every list at one depth needs one length"
+            )
+        for index, inner in enumerate(item):
+            walk(inner, depth + 1, f"{where}[{index}]")
+
+    walk(value, 0, what)
 
 
 def to_like(new: Any, like: Any) -> Any:

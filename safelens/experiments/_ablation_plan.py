@@ -25,7 +25,7 @@ so a position that is padding in every reference row has no mean and is refused.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -33,7 +33,7 @@ import torch
 from jaxtyping import Int
 
 from ..backends._backend import CacheLayout, CacheOps, CacheShape, cache_ops
-from ..core._arguments import as_index
+from ..core._arguments import indices
 from ..core._errors import CacheShapeError
 from ..core._repr import summary_repr
 from ._prefix import Prefix
@@ -51,24 +51,11 @@ def _index_spec(value: Any, what: str) -> int | tuple[int, ...] | None:
     """`value` checked and normalised: `None`, an int, or a tuple of distinct ints."""
     if value is None:
         return None
-    single = as_index(value)
-    if single is not None:
-        return single
-    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
-        raise TypeError(
-            f"{what} must be an int, a sequence of ints or None, got {type(value).__name__} "
-            f"{value!r}"
-        )
-    items = list(value)
-    if not items:
+    ints = indices(value, what)
+    if isinstance(ints, int):
+        return ints
+    if not ints:
         raise ValueError(f"{what} is empty, so the ablation would edit nothing; pass None for all")
-    picked = [as_index(item) for item in items]
-    for i, (item, index) in enumerate(zip(items, picked, strict=True)):
-        if index is None:
-            raise TypeError(
-                f"{what} must hold ints, got {item!r} ({type(item).__name__}) at index {i}"
-            )
-    ints = tuple(index for index in picked if index is not None)
     if len(set(ints)) != len(ints):
         raise ValueError(f"{what} {list(ints)} lists an index more than once; list each once")
     return ints

@@ -23,6 +23,7 @@ import torch
 
 from ..backends._backend import FwdHooks, NamesFilter, backend_of
 from ..backends._supported import SupportedModel
+from ..core._arguments import indices
 from ..core._errors import HookError
 from ..core._hook_point import CacheHookPoint
 
@@ -31,10 +32,8 @@ __all__ = ["run_with_cache_capture"]
 Indices = int | Seq[int] | torch.Tensor
 
 
-def _index(indices: Indices, size: int, what: str, name: str) -> torch.Tensor:
-    index = torch.as_tensor([indices] if isinstance(indices, int) else indices).reshape(-1)
-    if index.dtype in (torch.bool, torch.float16, torch.float32, torch.float64):
-        raise HookError(f"{what} must be ints, got {indices!r}")
+def _index(chosen: int | tuple[int, ...], size: int, what: str, name: str) -> torch.Tensor:
+    index = torch.tensor(chosen, dtype=torch.long).reshape(-1)
     if index.numel() and not (-size <= int(index.min()) and int(index.max()) < size):
         raise HookError(
             f"{what} {index.tolist()} out of range for {name!r}, which sees {size} "
@@ -76,7 +75,8 @@ def run_with_cache_capture(
     layout (selected positions/heads only, axes kept).
 
     **Raises:** [`HookError`][safelens.HookError] for an unknown or model hook name, or
-    positions/heads out of range; the cache is then unchanged.
+    positions/heads that are not ints (or a flat sequence of them) or out of range; the
+    cache is then unchanged.
 
     ```python
     >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
@@ -93,13 +93,20 @@ def run_with_cache_capture(
     backend = backend_of(model, "run_with_cache_capture")
     chosen = backend.cache_hook_names() if names is None else backend.select_cache_hooks(names)
     layout = backend.caches.layout
-    head_index = None if heads is None else _index(heads, backend.n_kv_heads, "heads", "the cache")
+    picked = None if positions is None else indices(positions, "positions", error=HookError)
+    head_index = (
+        None
+        if heads is None
+        else _index(
+            indices(heads, "heads", error=HookError), backend.n_kv_heads, "heads", "the cache"
+        )
+    )
     captured: dict[str, torch.Tensor] = {}
 
     def save(tensor: torch.Tensor, hook: CacheHookPoint) -> None:
         kept = tensor.detach()
-        if positions is not None:
-            index = _index(positions, kept.shape[layout.pos_axis], "positions", hook.name)
+        if picked is not None:
+            index = _index(picked, kept.shape[layout.pos_axis], "positions", hook.name)
             kept = kept.index_select(layout.pos_axis, index.to(kept.device))
         if head_index is not None:
             kept = kept.index_select(layout.heads_axis, head_index.to(kept.device))

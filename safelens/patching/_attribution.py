@@ -46,10 +46,11 @@ from ..core._arguments import flag, positive_int
 from ..core._errors import PatchingError
 from ..core._repr import summary_repr
 from ._attribution_pass import Read, Reads, corrupted_pass, qk_reads, site_for
+from ._clean_cache import CLEAN_CACHE_OF, axes_of, backend_sizes, check_clean_cache, shape_error
 from ._hf_sites import Site, _tokens, clean_activation, site_of
 from ._hf_sweeps import Run, _check_no_dropout, run_sweep
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
-from ._metric import Metric
+from ._metric import Metric, check_metric
 from ._patterns import _check_pattern_hook
 from ._qk_fix import key_effects, query_effects, scores_function
 from ._sweeps import generic_activation_patch
@@ -210,10 +211,13 @@ def _clean(
     if site.transposed:
         clean = clean.transpose(1, 2)
     if clean.shape[0] not in (1, like.shape[0]) or clean.shape[1:] != like.shape[1:]:
-        raise PatchingError(
-            f"clean_cache[{name!r}] has shape {tuple(clean.shape)}; expected "
-            f"[batch={like.shape[0]} or 1, {', '.join(map(str, like.shape[1:]))}] to match "
-            "corrupted_tokens. Clean and corrupted prompts must have the same length"
+        raise shape_error(
+            name,
+            tuple(clean.shape),
+            tuple(like.shape[1:]),
+            like.shape[0],
+            axes_of(name),
+            CLEAN_CACHE_OF[plan.backend.family],
         )
     return clean.to(like.device, like.dtype).expand_as(like)
 
@@ -338,6 +342,8 @@ def attribution_patch(
     _check_limits(max_batch, max_bytes, progress)
     backend = backend_of(model, "attribution_patch")
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
+    check_clean_cache(clean_cache, backend_sizes(backend), CLEAN_CACHE_OF[backend.family])
+    check_metric(patching_metric)
     chosen = plan(model, activations, qk_fix, clean_cache, tokens)
     reads = corrupted_pass(backend, tokens, chosen.reads(), patching_metric)
     baseline = reads.value.reshape(())

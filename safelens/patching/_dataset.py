@@ -53,7 +53,7 @@ from ..experiments._prefix import token_limits
 from ._hf_sites import run_with_patching_cache
 from ._hf_sweeps import is_seam_model
 from ._limits import DEFAULT_MAX_BYTES
-from ._metric import reads_last_position
+from ._metric import check_metric, reads_last_position
 
 __all__ = [
     "PatchingResult",
@@ -308,6 +308,7 @@ def patch_dataset(
     ```
     """
     check_options(n_bootstrap, confidence, seed, max_bytes, progress)
+    check_metric(metric, "metric")
     backend = _backend(model)
     clean, corrupted = pair_tokens(token_limits(backend), clean_tokens, corrupted_tokens)
     clean, corrupted = clean.to(backend.device), corrupted.to(backend.device)

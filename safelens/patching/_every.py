@@ -44,6 +44,7 @@ from jaxtyping import Float, Int
 from ..backends._backend import backend_of
 from ..backends._supported import SupportedModel
 from ..core._errors import PatchingError
+from ._clean_cache import CLEAN_CACHE_OF, backend_sizes, check_clean_cache, hooked_sizes
 from ._hf_sites import TL_NAMES, _tokens, clean_activation, site_of
 from ._hf_sweeps import is_seam_model
 from ._patterns import (
@@ -73,7 +74,7 @@ __all__ = [
     "get_act_patch_block_every",
 ]
 
-Sweep = Callable[..., torch.Tensor]
+Sweep = Callable[..., Any]
 
 
 def _check_seam_model(
@@ -86,6 +87,7 @@ def _check_seam_model(
     """
     backend = backend_of(model, bundle)
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
+    check_clean_cache(clean_cache, backend_sizes(backend), CLEAN_CACHE_OF[backend.family])
     # The pattern last: its probe pass (which says why a bridge may not have it) after
     # the checks that need no forward pass.
     for activation in sorted(activations, key=lambda activation: activation == "pattern"):
@@ -120,6 +122,7 @@ def _check_clean_cache(
         return
     if not hasattr(model, "cfg"):
         return
+    check_clean_cache(clean_cache, hooked_sizes(model.cfg), CLEAN_CACHE_OF["hooked"])
     for activation in activations:
         for layer in range(model.cfg.n_layers):
             name = f"blocks.{layer}.{TL_NAMES[activation]}"
@@ -171,7 +174,9 @@ def _stack(
 
 def _pattern_by_dest_pos(*args: Any, **kwargs: Any) -> Float[torch.Tensor, "layer pos n_heads"]:
     """`get_act_patch_attn_head_pattern_by_pos` with its head and position axes swapped."""
-    return get_act_patch_attn_head_pattern_by_pos(*args, **kwargs).transpose(-1, -2)
+    swept = get_act_patch_attn_head_pattern_by_pos(*args, **kwargs)
+    assert isinstance(swept, torch.Tensor)  # the sweep itself: no index_df was asked for
+    return swept.transpose(-1, -2)
 
 
 def get_act_patch_block_every(

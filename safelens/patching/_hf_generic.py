@@ -32,6 +32,7 @@ import torch
 
 from ..backends._backend import Backend, backend_of
 from ..core._errors import PatchingError
+from ._clean_cache import CLEAN_CACHE_OF, axes_of, backend_sizes, check_clean_cache, shape_error
 from ._hf_sites import TL_NAMES, Site, _tokens, clean_activation, site_of
 from ._hf_sweeps import Editor, Run, run_sweep
 from ._index import check_index_choice, check_setter_result, index_grid
@@ -61,6 +62,7 @@ def seam_generic(
     _check_limits(max_batch, max_bytes, progress)
     check_index_choice(index_axis_names, index_df)
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
+    check_clean_cache(clean_cache, backend_sizes(backend), CLEAN_CACHE_OF[backend.family])
     batch, length = tokens.shape
     if backend.family == "bridge":
         site, clean = _bridge_site(model, activation_name, clean_cache, batch)
@@ -85,10 +87,13 @@ def seam_generic(
         def edit(hooked: torch.Tensor) -> torch.Tensor:
             tensor = hooked.transpose(1, 2) if position_major else hooked
             if clean[layer].shape[1:] != tensor.shape[1:]:
-                raise PatchingError(
-                    f"clean_cache[{names[layer]!r}] has shape {tuple(clean[layer].shape)}; the "
-                    f"corrupted run's is [batch, {', '.join(map(str, tensor.shape[1:]))}]. "
-                    "Clean and corrupted prompts must have the same length"
+                raise shape_error(
+                    names[layer],
+                    tuple(clean[layer].shape),
+                    tuple(tensor.shape[1:]),
+                    batch,
+                    axes_of(names[layer]),
+                    CLEAN_CACHE_OF[backend.family],
                 )
             for place, run in at:
                 rows = tensor[place * batch : (place + 1) * batch]
@@ -163,10 +168,10 @@ def _clean(clean_cache: Any, name: str, batch: int) -> torch.Tensor:
     """The clean activation `name`, checked for its batch."""
     try:
         clean = clean_cache[name]
-    except (KeyError, TypeError):
+    except KeyError:
         raise PatchingError(
             f"clean_cache has no activation {name!r}; pass the clean cache of "
-            "bridge.run_with_cache(clean_tokens)"
+            f"{CLEAN_CACHE_OF['bridge']}"
         ) from None
     if not isinstance(clean, torch.Tensor) or clean.shape[0] not in (1, batch):
         raise PatchingError(

@@ -64,6 +64,7 @@ from ..backends.hf._seams import (
 )
 from ..core._errors import PatchingError
 from ..core._tokens import check_tokens
+from ._clean_cache import CLEAN_CACHE_OF, shape_error
 
 __all__ = [
     "ATTENTION_MODULES",
@@ -265,11 +266,7 @@ def clean_activation(
 ) -> torch.Tensor:
     """The clean activation of `site` at `layer`, checked, in the hook's layout, `batch` rows."""
     name = site.clean(layer)
-    how = (
-        "bridge.run_with_cache(clean_tokens)"
-        if backend.family == "bridge"
-        else "safelens.run_with_patching_cache(model, clean_tokens)"
-    )
+    how = CLEAN_CACHE_OF[backend.family]
     try:
         clean = clean_cache[name]
     except (KeyError, TypeError):
@@ -283,27 +280,32 @@ def clean_activation(
             f"clean_cache[{name!r}] holds {clean.dtype}; expected the clean run's "
             f"floating-point activations, as {how} gives them"
         )
-    if site.transposed:
-        clean = clean.transpose(1, 2)
+    heads = "n_kv_heads" if site.activation in ("k", "v") else "n_heads"
     expected: tuple[int, ...]
+    axes: tuple[str, ...]
     if site.activation in _PATTERNS:
-        expected = (site.heads, length, length)
+        expected, axes = (site.heads, length, length), ("n_heads", "pos", "pos")
     elif site.pos_axis == 2:
-        expected = (site.heads, length, backend.d_head)
+        expected, axes = (site.heads, length, backend.d_head), (heads, "pos", "d_head")
     elif site.heads:
-        expected = (length, site.heads, backend.d_head)
+        expected, axes = (length, site.heads, backend.d_head), ("pos", heads, "d_head")
     else:
-        expected = (length, backend.d_model)
+        expected, axes = (length, backend.d_model), ("pos", "d_model")
+    # The clean tensor's own layout: a position-major one (`transposed`) swaps axes 1, 2.
+    stored, stored_axes = expected, axes
+    if site.transposed:
+        stored, stored_axes = (
+            (expected[1], expected[0], *expected[2:]),
+            (axes[1], axes[0], *axes[2:]),
+        )
     if (
         clean.dim() != 1 + len(expected)
         or clean.shape[0] not in (1, batch)
-        or tuple(clean.shape[1:]) != expected
+        or tuple(clean.shape[1:]) != stored
     ):
-        raise PatchingError(
-            f"clean_cache[{name!r}] has shape {tuple(clean.shape)}; expected [batch={batch} or "
-            f"1, {', '.join(map(str, expected))}] to match corrupted_tokens {(batch, length)}. "
-            "Clean and corrupted prompts must have the same length"
-        )
+        raise shape_error(name, tuple(clean.shape), stored, batch, stored_axes, how)
+    if site.transposed:
+        clean = clean.transpose(1, 2)
     return clean.to(layer_device(backend, layer)).expand(batch, *expected)
 
 

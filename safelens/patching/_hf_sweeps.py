@@ -45,6 +45,7 @@ from tqdm import tqdm
 from ..backends._backend import Backend, backend_of
 from ..core._errors import PatchingError
 from ..core._thread_hooks import hooked_anywhere
+from ._clean_cache import CLEAN_CACHE_OF, backend_sizes, check_clean_cache
 from ._hf_shortcuts import Shortcuts, captured, tolerance
 from ._hf_sites import (
     Site,
@@ -113,6 +114,7 @@ def seam_patch(
     backend = backend_of(model, "patching")
     site = site_of(backend, activation, clean_cache)
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
+    check_clean_cache(clean_cache, backend_sizes(backend), CLEAN_CACHE_OF[backend.family])
     batch, length = tokens.shape
     clean = [
         clean_activation(backend, site, clean_cache, layer, batch, length)

@@ -21,12 +21,25 @@ __all__ = ["check_index_choice", "check_setter_result", "grid", "index_grid"]
 
 
 def check_index_choice(index_axis_names: Any, index_df: Any) -> None:
-    """A `PatchingError` unless exactly one is given, `index_df` as a DataFrame."""
+    """A `PatchingError` unless exactly one is given: axis names, each once, or a DataFrame."""
     if (index_df is None) == (index_axis_names is None):
         raise PatchingError(
             "pass exactly one of index_axis_names (a tuple such as ('layer', 'pos')) and "
             f"index_df; got index_axis_names={index_axis_names!r} and "
             f"index_df={'a DataFrame' if index_df is not None else None}"
+        )
+    if isinstance(index_axis_names, str) or (
+        index_axis_names is not None and not isinstance(index_axis_names, Sequence)
+    ):
+        raise PatchingError(
+            "index_axis_names must be a sequence of axis names such as ('layer', 'pos'), got "
+            f"{type(index_axis_names).__name__} {index_axis_names!r}; for one axis pass "
+            "('layer',)"
+        )
+    if index_axis_names is not None and len(set(index_axis_names)) != len(index_axis_names):
+        raise PatchingError(
+            f"index_axis_names {tuple(index_axis_names)!r} names an axis more than once; name "
+            "each axis once"
         )
     if index_df is not None and not isinstance(index_df, pd.DataFrame):
         raise PatchingError(

@@ -2,9 +2,10 @@
 
 A sweep function (`safelens.patching._sweeps`) checks everything it is given before the first
 patched run: the limits (`max_batch`, `max_bytes`, `progress`), the model (a
-`HookedTransformer`, not shortformer), the corrupted tokens, that the activation fires
-inside every block of this model, and that `clean_cache` holds it in the corrupted
-run's shape (batch 1 or the corrupted batch). `_Sweep` holds what passed: the tokens on
+`HookedTransformer`, not shortformer), the corrupted tokens, that `clean_cache` is
+this model's (`safelens.patching._clean_cache`), that the activation fires inside every
+block of this model, and that `clean_cache` holds it in the corrupted run's shape (batch
+1 or the corrupted batch). `_Sweep` holds what passed: the tokens on
 the model's device, the corrupted run (`safelens.patching._grid.CorruptedRun`) and each
 layer's clean activation, on the device of that layer's activation. A generic sweep's index grid (`index_axis_names`, or
 `index_df` checked against the axis sizes) is checked here too, and so is each
@@ -27,6 +28,7 @@ from transformer_lens.utilities import get_act_name
 
 from ..core._errors import PatchingError
 from ..core._tokens import check_tokens
+from ._clean_cache import CLEAN_CACHE_OF, axes_of, check_clean_cache, hooked_sizes, shape_error
 from ._grid import CorruptedRun, Metric, Patcher, Run, sweep
 from ._index import check_setter_result, index_grid
 from ._limits import DEFAULT_MAX_BYTES
@@ -59,6 +61,7 @@ class _Sweep:
         if isinstance(tokens, torch.Tensor) and tokens.dim() == 1:
             tokens = tokens[None]
         tokens = check_tokens(tokens, model.cfg, "corrupted_tokens")
+        check_clean_cache(clean_cache, hooked_sizes(model.cfg), CLEAN_CACHE_OF["hooked"])
         self.model = model
         self.tokens = tokens.to(model.cfg.device)
         self.batch, self.length = self.tokens.shape
@@ -123,11 +126,13 @@ class _Sweep:
                 "activations, as model.run_with_cache(clean_tokens) gives them"
             )
         if clean.shape[0] not in (1, self.batch) or clean.shape[1:] != self.expected(layer):
-            raise PatchingError(
-                f"clean_cache[{name!r}] has shape {tuple(clean.shape)}; expected [batch="
-                f"{self.batch} or 1, {', '.join(map(str, self.expected(layer)))}] to match "
-                f"corrupted_tokens {tuple(self.tokens.shape)}. Clean and corrupted prompts "
-                "must have the same length"
+            raise shape_error(
+                name,
+                tuple(clean.shape),
+                tuple(self.expected(layer)),
+                self.batch,
+                axes_of(name),
+                CLEAN_CACHE_OF["hooked"],
             )
         # Cast to the activation's dtype, as TransformerLens' setters' assignments do, on
         # its layer's device (`cfg.n_devices > 1` spreads the blocks over devices).

@@ -20,9 +20,18 @@ from jaxtyping import Float
 
 from ..core._errors import PatchingError
 
-__all__ = ["Metric", "reads_last_position"]
+__all__ = ["Metric", "check_metric", "reads_last_position"]
 
 Metric = Callable[[Float[torch.Tensor, "rows pos d_vocab"]], torch.Tensor]
+
+
+def check_metric(metric: object, name: str = "patching_metric") -> None:
+    """A `PatchingError` naming `name` unless `metric` can be called."""
+    if not callable(metric):
+        raise PatchingError(
+            f"{name} must be a function of the logits, got {_describe(metric)}; pass e.g. "
+            "lambda logits: logits[:, -1, answer] - logits[:, -1, wrong]"
+        )
 
 
 def reads_last_position(metric: object) -> bool:
@@ -39,6 +48,7 @@ class _Metric:
     """
 
     def __init__(self, fn: Metric, batch: int) -> None:
+        check_metric(fn)
         self.fn = fn
         self.batch = batch
         self.per_run: bool | None = None

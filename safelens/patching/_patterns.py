@@ -34,6 +34,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import pandas as pd
 import torch
 from jaxtyping import Float, Int
 
@@ -42,6 +43,13 @@ from ..backends._supported import SupportedModel
 from ..core._errors import PatchingError
 from ._hf_sites import _tokens
 from ._hf_sweeps import is_seam_model, seam_patch
+from ._setters import (
+    Setter,
+    SweepKeywords,
+    layer_head_dest_src_pos_pattern_patch_setter,
+    layer_head_pattern_patch_setter,
+    layer_head_pos_pattern_patch_setter,
+)
 from ._sweeps import DEFAULT_MAX_BYTES, Metric, generic_activation_patch
 
 if TYPE_CHECKING:
@@ -52,8 +60,6 @@ __all__ = [
     "get_act_patch_attn_head_pattern_dest_src_pos",
     "get_act_patch_attn_head_pattern_all_pos",
 ]
-
-Setter = Callable[[torch.Tensor, Sequence[int], torch.Tensor], torch.Tensor]
 
 
 def _check_pattern_hook(model: Any, corrupted_tokens: Any, what: str) -> None:
@@ -125,22 +131,37 @@ def _check_pattern_hook(model: Any, corrupted_tokens: Any, what: str) -> None:
 
 def _pattern_sweep(
     sweep: str,
-    index_axis_names: tuple[AxisNames, ...],
+    keywords: SweepKeywords,
     model: torch.nn.Module,
     corrupted_tokens: torch.Tensor,
     clean_cache: Any,
     patching_metric: Metric,
+    given: tuple[Any, Any, Any, Any, Any],
     max_batch: int | None,
     max_bytes: int,
     progress: bool,
-) -> torch.Tensor:
-    """The pattern sweep over the full grid of `index_axis_names` (layer, head_index, …).
+) -> torch.Tensor | tuple[torch.Tensor, pd.DataFrame]:
+    """The pattern sweep over the full grid of `keywords.index_axis_names` (layer, head_index, …).
 
-    On a bridge or HuggingFace model, `seam_patch`'s `[layer, dest_pos, src_pos, head]`
-    (the axes it has) turned to TransformerLens' order, head second.
+    `given` holds the call's TransformerLens keywords (`patch_setter`, `activation_name`,
+    `index_axis_names`, `index_df`, `return_index_df`); other than `keywords`, the call
+    is `generic_activation_patch`'s. On a bridge or HuggingFace model, `seam_patch`'s
+    `[layer, dest_pos, src_pos, head]` (the axes it has) turned to TransformerLens'
+    order, head second.
     """
-    by_pos = "dest_pos" in index_axis_names
-    by_src = "src_pos" in index_axis_names
+    if keywords.differ(*given):
+        return generic_activation_patch(
+            model,  # type: ignore[arg-type]
+            corrupted_tokens,
+            clean_cache,
+            patching_metric,
+            *given,
+            max_batch=max_batch,
+            max_bytes=max_bytes,
+            progress=progress,
+        )
+    by_pos = "dest_pos" in keywords.index_axis_names
+    by_src = "src_pos" in keywords.index_axis_names
     if is_seam_model(model):
         _check_pattern_hook(model, corrupted_tokens, sweep)
         swept = seam_patch(
@@ -157,27 +178,18 @@ def _pattern_sweep(
             by_src=by_src,
         )
         return swept.movedim(-1, 1)
-    from transformer_lens import patching
-
-    setters: dict[tuple[bool, bool], Setter] = {
-        (False, False): patching.layer_head_pattern_patch_setter,
-        (True, False): patching.layer_head_pos_pattern_patch_setter,
-        (True, True): patching.layer_head_dest_src_pos_pattern_patch_setter,
-    }
-    result = generic_activation_patch(
+    return generic_activation_patch(
         model,  # type: ignore[arg-type]
         corrupted_tokens,
         clean_cache,
         patching_metric,
-        setters[by_pos, by_src],
+        keywords.patch_setter,
         "pattern",
-        index_axis_names,
+        keywords.index_axis_names,  # type: ignore[arg-type]
         max_batch=max_batch,
         max_bytes=max_bytes,
         progress=progress,
     )
-    assert isinstance(result, torch.Tensor)
-    return result
 
 
 def get_act_patch_attn_head_pattern_by_pos(
@@ -186,10 +198,15 @@ def get_act_patch_attn_head_pattern_by_pos(
     clean_cache: Any,
     patching_metric: Metric,
     *,
+    patch_setter: Setter = layer_head_pos_pattern_patch_setter,
+    activation_name: str = "pattern",
+    index_axis_names: Sequence[AxisNames] | None = ("layer", "head_index", "dest_pos"),
+    index_df: pd.DataFrame | None = None,
+    return_index_df: bool = False,
     max_batch: int | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
     progress: bool = True,
-) -> Float[torch.Tensor, "layer n_heads dest_pos"]:
+) -> Float[torch.Tensor, "layer n_heads dest_pos"] | tuple[torch.Tensor, pd.DataFrame]:
     """Patch each head's attention pattern row by row: TransformerLens' `patching.get_act_patch_attn_head_pattern_by_pos`.
 
     Patches the row `dest_pos` (every source position) of `blocks.{layer}.attn.hook_pattern`
@@ -206,6 +223,10 @@ def get_act_patch_attn_head_pattern_by_pos(
       dict), same `pos`.
     - `patching_metric`: logits `[runs * batch, pos, d_vocab]` to `[runs]` (fast), or
       TransformerLens-style logits of one run to a scalar.
+    - `patch_setter`, `activation_name`, `index_axis_names`, `index_df`,
+      `return_index_df`: TransformerLens' keywords, at its defaults for this sweep; a
+      call that changes one is [`generic_activation_patch`][safelens.generic_activation_patch]'s
+      with them.
     - `max_batch`: at most this many patched runs per forward pass.
     - `max_bytes`: a memory budget that bounds the runs per forward pass (default 1 GiB).
     - `progress`: show a progress bar.
@@ -233,11 +254,14 @@ def get_act_patch_attn_head_pattern_by_pos(
     """
     return _pattern_sweep(
         "get_act_patch_attn_head_pattern_by_pos",
-        ("layer", "head_index", "dest_pos"),
+        SweepKeywords(
+            layer_head_pos_pattern_patch_setter, "pattern", ("layer", "head_index", "dest_pos")
+        ),
         model,
         corrupted_tokens,
         clean_cache,
         patching_metric,
+        (patch_setter, activation_name, index_axis_names, index_df, return_index_df),
         max_batch,
         max_bytes,
         progress,
@@ -250,10 +274,15 @@ def get_act_patch_attn_head_pattern_dest_src_pos(
     clean_cache: Any,
     patching_metric: Metric,
     *,
+    patch_setter: Setter = layer_head_dest_src_pos_pattern_patch_setter,
+    activation_name: str = "pattern",
+    index_axis_names: Sequence[AxisNames] | None = ("layer", "head_index", "dest_pos", "src_pos"),
+    index_df: pd.DataFrame | None = None,
+    return_index_df: bool = False,
     max_batch: int | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
     progress: bool = True,
-) -> Float[torch.Tensor, "layer n_heads dest_pos src_pos"]:
+) -> Float[torch.Tensor, "layer n_heads dest_pos src_pos"] | tuple[torch.Tensor, pd.DataFrame]:
     """Patch each entry of each head's attention pattern: TransformerLens' `patching.get_act_patch_attn_head_pattern_dest_src_pos`.
 
     Patches the single entry [dest_pos, src_pos] of `blocks.{layer}.attn.hook_pattern`
@@ -270,6 +299,10 @@ def get_act_patch_attn_head_pattern_dest_src_pos(
       dict), same `pos`.
     - `patching_metric`: logits `[runs * batch, pos, d_vocab]` to `[runs]` (fast), or
       TransformerLens-style logits of one run to a scalar.
+    - `patch_setter`, `activation_name`, `index_axis_names`, `index_df`,
+      `return_index_df`: TransformerLens' keywords, at its defaults for this sweep; a
+      call that changes one is [`generic_activation_patch`][safelens.generic_activation_patch]'s
+      with them.
     - `max_batch`: at most this many patched runs per forward pass.
     - `max_bytes`: a memory budget that bounds the runs per forward pass (default 1 GiB).
     - `progress`: show a progress bar.
@@ -297,11 +330,16 @@ def get_act_patch_attn_head_pattern_dest_src_pos(
     """
     return _pattern_sweep(
         "get_act_patch_attn_head_pattern_dest_src_pos",
-        ("layer", "head_index", "dest_pos", "src_pos"),
+        SweepKeywords(
+            layer_head_dest_src_pos_pattern_patch_setter,
+            "pattern",
+            ("layer", "head_index", "dest_pos", "src_pos"),
+        ),
         model,
         corrupted_tokens,
         clean_cache,
         patching_metric,
+        (patch_setter, activation_name, index_axis_names, index_df, return_index_df),
         max_batch,
         max_bytes,
         progress,
@@ -314,10 +352,15 @@ def get_act_patch_attn_head_pattern_all_pos(
     clean_cache: Any,
     patching_metric: Metric,
     *,
+    patch_setter: Setter = layer_head_pattern_patch_setter,
+    activation_name: str = "pattern",
+    index_axis_names: Sequence[AxisNames] | None = ("layer", "head_index"),
+    index_df: pd.DataFrame | None = None,
+    return_index_df: bool = False,
     max_batch: int | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
     progress: bool = True,
-) -> Float[torch.Tensor, "layer n_heads"]:
+) -> Float[torch.Tensor, "layer n_heads"] | tuple[torch.Tensor, pd.DataFrame]:
     """Patch each head's whole attention pattern: TransformerLens' `patching.get_act_patch_attn_head_pattern_all_pos`.
 
     Patches head `head` of `blocks.{layer}.attn.hook_pattern` (every destination and
@@ -332,6 +375,10 @@ def get_act_patch_attn_head_pattern_all_pos(
       dict), same `pos`.
     - `patching_metric`: logits `[runs * batch, pos, d_vocab]` to `[runs]` (fast), or
       TransformerLens-style logits of one run to a scalar.
+    - `patch_setter`, `activation_name`, `index_axis_names`, `index_df`,
+      `return_index_df`: TransformerLens' keywords, at its defaults for this sweep; a
+      call that changes one is [`generic_activation_patch`][safelens.generic_activation_patch]'s
+      with them.
     - `max_batch`: at most this many patched runs per forward pass.
     - `max_bytes`: a memory budget that bounds the runs per forward pass (default 1 GiB).
     - `progress`: show a progress bar.
@@ -359,11 +406,12 @@ def get_act_patch_attn_head_pattern_all_pos(
     """
     return _pattern_sweep(
         "get_act_patch_attn_head_pattern_all_pos",
-        ("layer", "head_index"),
+        SweepKeywords(layer_head_pattern_patch_setter, "pattern", ("layer", "head_index")),
         model,
         corrupted_tokens,
         clean_cache,
         patching_metric,
+        (patch_setter, activation_name, index_axis_names, index_df, return_index_df),
         max_batch,
         max_bytes,
         progress,

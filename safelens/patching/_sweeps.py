@@ -42,17 +42,24 @@ that does is refused with a `PatchingError`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import pandas as pd
 import torch
 from jaxtyping import Int
 
 from ..backends._supported import SupportedModel
+from ..core._errors import PatchingError
 from ._hf_sites import TL_NAMES
 from ._hf_sweeps import is_seam_model, seam_patch
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
 from ._metric import Metric
+from ._setters import (
+    SweepKeywords,
+    layer_head_vector_patch_setter,
+    layer_pos_head_vector_patch_setter,
+    layer_pos_patch_setter,
+)
 from ._unchanged import known_setter_axes, marked, unchanged
 
 if TYPE_CHECKING:
@@ -237,6 +244,11 @@ def generic_activation_patch(
 
     ```
     """
+    if not isinstance(activation_name, str):
+        raise PatchingError(
+            f"activation_name must be a str such as 'resid_pre', 'z' or 'k', as "
+            f"get_act_name spells it, got {type(activation_name).__name__} {activation_name!r}"
+        )
     if is_seam_model(model):
         from ._hf_generic import seam_generic
 
@@ -309,17 +321,47 @@ _EXAMPLE = """
 
 def _sweep_function(
     name: str, activation: str, what: str, by_pos: bool, with_head: bool, example: str
-) -> Callable[..., torch.Tensor]:
+) -> Callable[..., Any]:
+    setters = {
+        (True, False): layer_pos_patch_setter,
+        (True, True): layer_pos_head_vector_patch_setter,
+        (False, True): layer_head_vector_patch_setter,
+    }
+    index_names = ("layer",) + ("pos",) * by_pos + ("head",) * with_head
+    keywords = SweepKeywords(setters[by_pos, with_head], activation, index_names)
+
     def patch(
         model: SupportedModel,
         corrupted_tokens: Int[torch.Tensor, "batch pos"],
         clean_cache: ActivationCache,
         patching_metric: Metric,
         *,
+        patch_setter: PatchSetter = keywords.patch_setter,
+        activation_name: str = activation,
+        index_axis_names: Sequence[AxisName] | None = index_names,  # type: ignore[assignment]
+        index_df: pd.DataFrame | None = None,
+        return_index_df: bool = False,
         max_batch: int | None = None,
         max_bytes: int = DEFAULT_MAX_BYTES,
         progress: bool = True,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, pd.DataFrame]:
+        if keywords.differ(
+            patch_setter, activation_name, index_axis_names, index_df, return_index_df
+        ):
+            return generic_activation_patch(
+                model,
+                corrupted_tokens,
+                clean_cache,
+                patching_metric,
+                patch_setter,
+                activation_name,
+                index_axis_names,
+                index_df,
+                return_index_df,
+                max_batch=max_batch,
+                max_bytes=max_bytes,
+                progress=progress,
+            )
         if is_seam_model(model):
             return seam_patch(
                 activation,
@@ -369,6 +411,10 @@ def _sweep_function(
       dict).
     - `patching_metric`: logits `[runs * batch, pos, d_vocab]` to `[runs]` (fast), or
       TransformerLens-style logits of one run to a scalar.
+    - `patch_setter`, `activation_name`, `index_axis_names`, `index_df`,
+      `return_index_df`: TransformerLens' keywords, at its defaults for this sweep; a
+      call that changes one is [`generic_activation_patch`][safelens.generic_activation_patch]'s
+      with them.
     - `max_batch`: at most this many patched runs per forward pass.
     - `max_bytes`: a memory budget that bounds the runs per forward pass (default 1 GiB).
     - `progress`: show a progress bar.

@@ -12,14 +12,15 @@ the costliest ones (they recompute the most positions).
 The test is bitwise, on the tensor the patch would be written into, every row of the
 batch: values equal only after rounding, `-0.0` against `0.0`, and NaN all count as a
 change and run as usual. A generic sweep skips only with one of TransformerLens' own
-setters, whose writes are known (`known_setter_axes`); any other `patch_setter` may
-write anything. On a bridge or HuggingFace model the corrupted run's tensors at the
-sweep's site are captured as its patch hook would see them (`seeing`), and compared
-there (`idle_runs`).
+setters (or `safelens.patching`'s copies of them), whose writes are known
+(`known_setter_axes`); any other `patch_setter` may write anything. On a bridge or
+HuggingFace model the corrupted run's tensors at the sweep's site are captured as its
+patch hook would see them (`seeing`), and compared there (`idle_runs`).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -29,6 +30,7 @@ import torch
 
 from ..backends._backend import Backend
 from ._hf_sites import Site, site_edits
+from ._setters import SETTER_AXES
 
 __all__ = ["idle_runs", "known_setter_axes", "marked", "seeing", "unchanged"]
 
@@ -68,18 +70,15 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 def known_setter_axes(patch_setter: Any) -> list[int] | None:
     """The activation axes a TransformerLens setter writes at the index after the layer.
 
-    `None` for any other setter: it may write anything, so none of its runs is skipped.
+    Its own (`transformer_lens.patching`'s, when imported) or `safelens.patching`'s of
+    the same name. `None` for any other setter: it may write anything, so none of its
+    runs is skipped.
     """
-    from transformer_lens import patching
-
-    return {
-        patching.layer_pos_patch_setter: [1],
-        patching.layer_pos_head_vector_patch_setter: [1, 2],
-        patching.layer_head_vector_patch_setter: [2],
-        patching.layer_head_pattern_patch_setter: [1],
-        patching.layer_head_pos_pattern_patch_setter: [1, 2],
-        patching.layer_head_dest_src_pos_pattern_patch_setter: [1, 2, 3],
-    }.get(patch_setter)
+    theirs = sys.modules.get("transformer_lens.patching")
+    for setter, axes in SETTER_AXES.items():
+        if patch_setter is setter or patch_setter is getattr(theirs, setter.__name__, None):
+            return axes
+    return None
 
 
 # -- TransformerBridge and HuggingFace sweeps (`safelens.patching._hf_sweeps`) -----------

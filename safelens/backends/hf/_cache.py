@@ -306,6 +306,10 @@ class HFKeyValueCache(TransformersCache):
     def select(self, rows: int | slice | list[int] | torch.Tensor) -> HFKeyValueCache:
         """The batch rows `rows` (any index torch accepts), in storage of their own.
 
+        `rows` is an int, a slice, a list of ints, an integer or bool tensor, or `None`
+        for every row (as `tensor[None]` keeps every row); floats and bools, which torch
+        would read as other rows than meant, are refused.
+
         ```python
         >>> cache = HFKeyValueCache()
         >>> _ = cache.update(torch.zeros(4, 2, 5, 4), torch.zeros(4, 2, 5, 4), 0)
