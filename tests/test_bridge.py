@@ -16,8 +16,8 @@ import tempfile
 import pytest
 import torch
 import transformers
-from bridge_models import FAMILIES, _hf_model, _tokenizer, bridge, reference
-from hf_models import ids, run
+from bridge_models import FAMILIES, _hf_model, bridge, reference
+from hf_models import ids, run, tokenizer
 from packaging.version import Version
 from transformer_lens.model_bridge import TransformerBridge
 from transformers import DynamicCache
@@ -415,7 +415,7 @@ def test_a_plain_model_that_fails_leaves_the_passes_on_the_bridge(monkeypatch, p
 
 def test_compatibility_mode_experiments_equal_the_bridges_uncached_forward():
     with tempfile.TemporaryDirectory() as folder:
-        _tokenizer().save_pretrained(folder)
+        tokenizer().save_pretrained(folder)
         model = TransformerBridge.boot_transformers(folder, hf_model=_hf_model("llama"))
     model.eval().enable_compatibility_mode()
     tokens = ids(1, 9)
