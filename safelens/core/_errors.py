@@ -3,7 +3,8 @@
 Every error derives from [`SafelensError`][safelens.SafelensError], so one `except`
 clause catches them all. Each subclass names one kind of mistake; the message says what
 was expected, what arrived and, where there is one, the likely fix. The docs' errors page
-lists each with its symptom, cause and fix.
+lists each with its symptom, cause and fix. Each class reports its public path,
+`safelens.<Name>`, in tracebacks and reprs.
 """
 
 from __future__ import annotations
@@ -60,3 +61,7 @@ class JobFolderError(SafelensError, ValueError):
 
 class WorkerError(SafelensError, RuntimeError):
     """Ray workers that cannot run a sharded job: replicas differ, or a shard kills them."""
+
+
+for _error in (globals()[_name] for _name in __all__):
+    _error.__module__ = "safelens"

@@ -15,8 +15,8 @@ renames it onto `path`, so a failed save leaves any earlier file whole.
 The file layer (atomic writes, a strict reader that checks the header's dtypes, shapes
 and byte ranges against the file size before allocating anything, and never unpickles)
 is `_safetensors_file`. On top of it, loading checks every metadata field's type and
-range, the tensor names, shapes and dtype the metadata implies, and each tensor's
-checksum. So a file that is truncated, corrupt, hostile, foreign (no safelens marker, a
+range and the tensor names, shapes and dtype the metadata implies (`_cache_metadata`),
+and each tensor's checksum. So a file that is truncated, corrupt, hostile, foreign (no safelens marker, a
 pickle or `torch.save` file, random bytes) or of an unknown format version fails with
 [`CacheFileError`][safelens.CacheFileError] in time and memory bounded by its own size,
 whatever its header says.
@@ -33,7 +33,6 @@ import os
 import zlib
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
 from io import BufferedReader
 from os import PathLike
 from pathlib import Path
@@ -41,28 +40,26 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from ._config import parse_dtype
-from ._errors import CacheConfigError, CacheFileError, CacheShapeError
+from ._cache_metadata import (
+    FORMAT,
+    FORMAT_VERSION,
+    MASK,
+    SavedLayout,
+    checked_layout,
+    keys_name,
+    values_name,
+)
+from ._errors import CacheFileError, CacheShapeError
 from ._safetensors_file import (
     DTYPE_CODES,
-    MAX_SIZE,
-    Span,
     bytes_of,
     read_header,
     read_tensor,
-    shown,
-    tensor_spans,
     write_safetensors,
 )
 from ._tensor_layout import POSITION_MAJOR, TensorLayout
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "save_cache", "load_cache"]
-
-FORMAT = "safelens.kv_cache"
-FORMAT_VERSION = 1
-_MASK = "attention_mask"
-# Files saved before the layout was recorded are KeyValueCache's.
-_OLDEST_LAYOUT = {"layout": "position-major", "keys": "pre-rotary", "cache_class": "KeyValueCache"}
+__all__ = ["save_cache", "load_cache"]
 
 CacheT = TypeVar("CacheT")
 Devices = torch.device | str | SequenceOf[torch.device | str] | Mapping[int, torch.device | str]
@@ -78,14 +75,6 @@ class CachedLayer(Protocol):
     def keys(self) -> Any: ...
     @property
     def values(self) -> Any: ...
-
-
-def _keys_name(layer: int) -> str:
-    return f"layers.{layer}.keys"
-
-
-def _values_name(layer: int) -> str:
-    return f"layers.{layer}.values"
 
 
 def _checksum(raw: memoryview) -> str:
@@ -152,10 +141,10 @@ def save_cache(
     sizes = layout.sizes(tuple(keys.shape))
     tensors: dict[str, torch.Tensor] = {}
     for layer, (layer_keys, layer_values) in enumerate(pairs):
-        tensors[_keys_name(layer)] = layer_keys
-        tensors[_values_name(layer)] = layer_values
+        tensors[keys_name(layer)] = layer_keys
+        tensors[values_name(layer)] = layer_values
     if mask is not None:
-        tensors[_MASK] = mask
+        tensors[MASK] = mask
     for name, tensor in tensors.items():
         if tensor.dtype not in DTYPE_CODES:
             raise CacheShapeError(
@@ -185,177 +174,11 @@ def save_cache(
     write_safetensors(path, tensors, metadata)
 
 
-# -- reading the metadata -------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """What a checked header says about the cache in the file."""
-
-    spans: dict[str, Span]
-    n_layers: int
-    frozen: bool
-    devices: list[torch.device]
-    mask_device: torch.device | None
-    checksums: dict[str, str]
-
-
-def _bad_metadata(path: Path, what: str) -> CacheFileError:
-    return CacheFileError(
-        f"{path} has corrupt safelens metadata: {what}. Re-save the cache with cache.save(path)"
-    )
-
-
-def _check_marker(path: Path, header: dict[str, Any]) -> dict[str, str]:
-    metadata = header.get("__metadata__")
-    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
-        raise CacheFileError(
-            f"{path} is a safetensors file but not a safelens cache: its metadata has no "
-            f"format={FORMAT!r} marker. Only files written by KeyValueCache.save load"
-        )
-    version = metadata.get("format_version")
-    if version != str(FORMAT_VERSION):
-        raise CacheFileError(
-            f"{path} is a safelens cache of format version {shown(version)}; this safelens "
-            f"reads version {FORMAT_VERSION!r}. Load it with the safelens that wrote it"
-        )
-    for key, value in metadata.items():
-        if not isinstance(value, str):
-            raise _bad_metadata(path, f"{shown(key)} is {type(value).__name__}, not a string")
-    return metadata
-
-
-def _field(path: Path, metadata: dict[str, str], name: str) -> str:
-    if name not in metadata:
-        raise _bad_metadata(path, f"it has no {name!r} field")
-    return metadata[name]
-
-
-def _count(path: Path, metadata: dict[str, str], name: str) -> int:
-    value = _field(path, metadata, name)
-    if not (len(value) <= 10 and value.isascii() and value.isdigit() and int(value) <= MAX_SIZE):
-        raise _bad_metadata(
-            path, f"{name}={shown(value)}; expected a whole number from 0 to {MAX_SIZE}"
-        )
-    return int(value)
-
-
-def _json_field(path: Path, metadata: dict[str, str], name: str) -> Any:
-    value = _field(path, metadata, name)
-    try:
-        return json.loads(value)
-    except (ValueError, RecursionError):
-        raise _bad_metadata(path, f"{name}={shown(value)} is not valid JSON") from None
-
-
-def _flag(path: Path, metadata: dict[str, str], name: str) -> bool:
-    value = _field(path, metadata, name)
-    if value not in ("true", "false"):
-        raise _bad_metadata(path, f"{name}={shown(value)}; expected 'true' or 'false'")
-    return value == "true"
-
-
-def _saved_device(path: Path, name: object, what: str) -> torch.device:
-    try:
-        if not isinstance(name, str):
-            raise TypeError(f"a device name is a string, not {type(name).__name__}")
-        return torch.device(name)
-    except (RuntimeError, TypeError, ValueError) as error:
-        raise _bad_metadata(
-            path, f"it puts {what} on {shown(name)}, which is not a device torch knows ({error})"
-        ) from None
-
-
-def _check_tensor_layout(path: Path, metadata: dict[str, str], layout: TensorLayout) -> None:
-    """Refuse a file whose tensors are in another layout than `layout`, naming its reader."""
-    present = [name for name in _OLDEST_LAYOUT if name in metadata]
-    if present and len(present) < len(_OLDEST_LAYOUT):
-        raise _bad_metadata(path, f"it has {present} but not all of {list(_OLDEST_LAYOUT)}")
-    found = [metadata.get(name, default) for name, default in _OLDEST_LAYOUT.items()]
-    if found != [layout.name, layout.keys, layout.cache_class]:
-        name, keys, cache_class = map(shown, found)
-        raise CacheFileError(
-            f"{path} holds a {name} cache with {keys} keys, saved by {cache_class}; "
-            f"{layout.cache_class}.load reads {layout.described} only, and the other "
-            f"layout's keys mean something else to the model. Load it with {cache_class}.load"
-        )
-
-
-def _layout(
-    path: Path, header: dict[str, Any], data_start: int, size: int, layout: TensorLayout
-) -> _Layout:
-    """Check every metadata field against the tensors the file really holds."""
-    metadata = _check_marker(path, header)
-    _check_tensor_layout(path, metadata, layout)
-    spans = tensor_spans(path, header, data_start, size)
-    n_layers = _count(path, metadata, "n_layers")
-    has_mask = _flag(path, metadata, "has_attention_mask")
-    if n_layers == 0 or 2 * n_layers + has_mask != len(spans):
-        raise CacheFileError(
-            f"{path} is corrupt: its metadata describes {n_layers} layers (two tensors each)"
-            f"{' and an attention mask' if has_mask else ''}, but it holds {len(spans)} "
-            f"tensors: {shown(sorted(spans))}"
-        )
-    names = [name for layer in range(n_layers) for name in (_keys_name(layer), _values_name(layer))]
-    names += [_MASK] if has_mask else []
-    unexpected, missing = sorted(set(spans) - set(names)), sorted(set(names) - set(spans))
-    if unexpected or missing:
-        raise CacheFileError(
-            f"{path} is corrupt: it holds tensors {shown(unexpected)} that its metadata does "
-            f"not describe, and lacks {shown(missing)}"
-        )
-    batch, length = _count(path, metadata, "batch_size"), _count(path, metadata, "sequence_length")
-    heads, d_head = _count(path, metadata, "n_kv_heads"), _count(path, metadata, "d_head")
-    shape = layout.arrange(
-        {"batch": batch, "pos_so_far": length, "n_kv_heads": heads, "d_head": d_head}
-    )
-    try:
-        dtype = parse_dtype(_field(path, metadata, "dtype"))
-    except CacheConfigError:
-        raise _bad_metadata(path, f"dtype={shown(metadata['dtype'])} is not a dtype") from None
-    for name, span in spans.items():
-        want = (batch, length) if name == _MASK else shape
-        if span.shape != want or (name != _MASK and span.dtype != dtype):
-            raise CacheFileError(
-                f"{path} is corrupt: {name} has shape {span.shape} and dtype "
-                f"{span.dtype}; its metadata says {want} and {dtype}"
-            )
-    devices = _json_field(path, metadata, "devices")
-    if not isinstance(devices, list) or len(devices) != n_layers:
-        raise _bad_metadata(
-            path, f"devices={shown(devices)}; expected a list of {n_layers} device names"
-        )
-    mask_device = _json_field(path, metadata, "mask_device")
-    if has_mask != (mask_device is not None):
-        raise _bad_metadata(
-            path,
-            f"mask_device={shown(mask_device)} while has_attention_mask is "
-            f"{json.dumps(has_mask)}; a mask has a device, and no mask none",
-        )
-    checksums = _json_field(path, metadata, "checksums")
-    if (
-        not isinstance(checksums, dict)
-        or set(checksums) != set(spans)
-        or not all(isinstance(value, str) for value in checksums.values())
-    ):
-        raise _bad_metadata(
-            path, f"checksums={shown(checksums)}; expected one checksum string per tensor"
-        )
-    return _Layout(
-        spans=spans,
-        n_layers=n_layers,
-        frozen=_flag(path, metadata, "frozen"),
-        devices=[_saved_device(path, d, f"layer {layer}") for layer, d in enumerate(devices)],
-        mask_device=None if mask_device is None else _saved_device(path, mask_device, "the mask"),
-        checksums=checksums,
-    )
-
-
 # -- loading --------------------------------------------------------------------------
 
 
 def _read_tensors(
-    path: Path, file: BufferedReader, data_start: int, layout: _Layout
+    path: Path, file: BufferedReader, data_start: int, layout: SavedLayout
 ) -> dict[str, torch.Tensor]:
     """Each tensor read into its own buffer of its checked size, and its checksum checked."""
     tensors = {}
@@ -379,7 +202,7 @@ def _device_argument(value: object, name: str) -> torch.device:
         ) from None
 
 
-def _target_devices(devices: Devices | None, layout: _Layout) -> list[torch.device]:
+def _target_devices(devices: Devices | None, layout: SavedLayout) -> list[torch.device]:
     n_layers = layout.n_layers
     if devices is None:
         return layout.devices
@@ -432,22 +255,22 @@ def load_cache(
     with path.open("rb") as file:
         size = os.fstat(file.fileno()).st_size
         header, data_start = read_header(path, file, size)
-        saved = _layout(path, header, data_start, size, layout)
+        saved = checked_layout(path, header, data_start, size, layout)
         devices = _target_devices(device, saved)
         tensors = _read_tensors(path, file, data_start, saved)
     reader = layout.cache_class
     pairs = [
         (
-            _moved(tensors[_keys_name(layer)], devices[layer], f"layer {layer} keys", reader),
-            _moved(tensors[_values_name(layer)], devices[layer], f"layer {layer} values", reader),
+            _moved(tensors[keys_name(layer)], devices[layer], f"layer {layer} keys", reader),
+            _moved(tensors[values_name(layer)], devices[layer], f"layer {layer} values", reader),
         )
         for layer in range(saved.n_layers)
     ]
     mask = None
-    if _MASK in tensors:
+    if MASK in tensors:
         mask_device = devices[0] if device is not None else saved.mask_device
         assert mask_device is not None  # _layout pairs a mask with its device
-        mask = _moved(tensors[_MASK], mask_device, "attention mask", reader)
+        mask = _moved(tensors[MASK], mask_device, "attention mask", reader)
     try:  # the containers check what they hold, e.g. that a mask is integer
         return build(pairs, mask, saved.frozen)
     except CacheShapeError as error:

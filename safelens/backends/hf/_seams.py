@@ -3,20 +3,12 @@
 A HuggingFace causal LM carries no hook points inside its attention or between its
 attention and MLP. Its activations are still reached at seams every family shares:
 
-- *queries, attention scores and patterns*: the attention function. Every attention
-  module computes its queries, keys and values, then calls the function transformers'
-  `ALL_ATTENTION_FUNCTIONS` holds under `config._attn_implementation` (`"sdpa"`,
-  `"eager"`, …) as `fn(module, query, key, value, attention_mask, scaling=…, **kwargs)`.
-  Within [`attention_edits`][safelens.backends.hf._seams.attention_edits] that entry
-  dispatches, for the modules being edited on the calling thread, to safelens: the
-  query `[batch, n_heads, pos, d_head]` (after the rotary embedding, query heads even
-  under grouped-query attention) is edited before the model's own function runs; to
-  read or edit scores or patterns the layer's attention is computed here, eagerly
-  (`_eager`): scores `query @ key.T * scaling`, soft-capped where the family caps
-  them, plus the attention mask HuggingFace hands the function (its large negative
-  value on masked entries; a boolean mask as that value, no mask as the causal one),
-  then the pattern `softmax(scores)` in float32, then `pattern @ value`. Every other
-  module, and every other thread, runs the function it always runs.
+- *queries, attention scores and patterns*: the attention function transformers'
+  `ALL_ATTENTION_FUNCTIONS` holds, which
+  [`attention_edits`][safelens.backends.hf._attention_edits.attention_edits] dispatches
+  to safelens for the modules being edited on the calling thread (queries `[batch,
+  n_heads, pos, d_head]` after the rotary embedding; scores and patterns computed
+  eagerly).
 - *head outputs*: the input of the attention's output projection (`o_proj`, GPT-2's
   `c_proj`, `dense`, `out_proj`), seen as `[batch, pos, n_heads, d_head]`.
 - *the residual stream between attention and MLP*: the input of the norm before the
@@ -36,23 +28,20 @@ not run through it.
 from __future__ import annotations
 
 import inspect
-import math
-import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
 
 from ...core._errors import PatchingError
+from ._attention_edits import ATTENTION_POINTS, Edit, attention_edits
 
 __all__ = [
     "ATTENTION_MODULES",
-    "ATTENTION_POINTS",
     "SEAMS",
     "Edit",
-    "attention_edits",
     "attention_function_module",
     "attention_module",
     "child_named",
@@ -63,9 +52,6 @@ __all__ = [
     "seam_modules",
 ]
 
-# `edit(tensor) -> tensor | None`: what a seam's tensor becomes (`None`: as it is, or
-# edited in place).
-Edit = Callable[[torch.Tensor], "torch.Tensor | None"]
 # A decoder layer's attention module, by the names families give it (Llama and most:
 # `self_attn`; GPT-2, GPT-J: `attn`; Falcon, BLOOM: `self_attention`; GPT-NeoX: `attention`).
 ATTENTION_MODULES = ("self_attn", "attn", "self_attention", "attention")
@@ -77,13 +63,9 @@ MLP_NORMS = ("pre_feedforward_layernorm", "post_attention_layernorm", "ln_2")
 # Config flags of families whose attention and MLP read the same input in parallel.
 PARALLEL_FLAGS = ("use_parallel_residual", "parallel_attn", "new_decoder_architecture")
 PARALLEL_FAMILIES = frozenset({"gptj", "phi", "cohere", "codegen", "gpt_neox_japanese"})
-# What the attention function edits: queries before it, scores and pattern inside it.
-ATTENTION_POINTS = ("q", "attn_scores", "pattern")
 # The activations reached at these seams (TransformerLens' names); the others of a
 # HuggingFace model are the cache's hook points and modules' outputs.
 SEAMS = frozenset({*ATTENTION_POINTS, "z", "resid_pre", "resid_mid"})
-# Attention-function arguments that change the arithmetic `_eager` does not know.
-_UNKNOWN_ARITHMETIC = ("s_aux", "sinks", "position_bias", "alibi")
 
 
 def child_named(layer: torch.nn.Module, names: tuple[str, ...]) -> str | None:
@@ -253,175 +235,3 @@ def input_edits(
     finally:
         for handle in handles:
             handle.remove()
-
-
-# -- the attention function ----------------------------------------------------------------
-
-_LOCK = threading.Lock()
-# implementation name -> (threads editing through it, its entry in the registry's own
-# mapping before, or `_MISSING`)
-_INSTALLED: dict[str, tuple[int, Any]] = {}
-_MISSING = object()
-
-
-class _Edits(threading.local):
-    """The calling thread's attention edits, by `id(module)`, and the modules that ran."""
-
-    def __init__(self) -> None:
-        self.by_module: dict[int, dict[str, Edit]] = {}
-        self.ran: set[int] = set()
-
-
-_EDITS = _Edits()
-
-
-def _own_eager(module: torch.nn.Module) -> Callable[..., Any]:
-    """The `eager_attention_forward` of `module`'s own modeling file (the `"eager"` default)."""
-    own = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    if own is None:
-        raise PatchingError(
-            f"{type(module).__name__} runs eager attention without an "
-            "eager_attention_forward function in its modeling file; safelens cannot reach "
-            "its attention function"
-        )
-    result: Callable[..., Any] = own
-    return result
-
-
-def _dispatching(own: Callable[..., Any] | None) -> Callable[..., Any]:
-    def attention(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        function = own if own is not None else _own_eager(module)
-        edits = _EDITS.by_module.get(id(module))
-        if edits is None:  # not edited on this thread
-            return function(module, *args, **kwargs)
-        _EDITS.ran.add(id(module))
-        return _edited(function, edits, module, *args, **kwargs)
-
-    return attention
-
-
-def _applied(edit: Edit, tensor: torch.Tensor) -> torch.Tensor:
-    result = edit(tensor)
-    return tensor if result is None else result
-
-
-def _edited(
-    function: Callable[..., Any],
-    edits: dict[str, Edit],
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    *args: Any,
-    **kwargs: Any,
-) -> Any:
-    if "q" in edits:
-        query = _applied(edits["q"], query)
-    if "attn_scores" not in edits and "pattern" not in edits:
-        return function(module, query, key, value, attention_mask, *args, **kwargs)
-    unknown = [name for name in _UNKNOWN_ARITHMETIC if kwargs.get(name) is not None]
-    if args or unknown:
-        raise PatchingError(
-            f"{type(module).__name__}'s attention takes "
-            f"{unknown[0] if unknown else 'positional arguments'} that safelens' eager "
-            "attention does not compute with; its scores and patterns cannot be patched"
-        )
-    return _eager(module, query, key, value, attention_mask, edits, **kwargs)
-
-
-def _eager(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    edits: dict[str, Edit],
-    scaling: float | None = None,
-    softcap: float | None = None,
-    is_causal: bool | None = None,
-    **ignored: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention computed here, with its scores and pattern edited (module notes)."""
-    groups = query.shape[1] // key.shape[1]
-    key = key.repeat_interleave(groups, dim=1)
-    value = value.repeat_interleave(groups, dim=1)
-    scale = scaling if scaling is not None else 1 / math.sqrt(query.shape[-1])
-    scores = torch.matmul(query, key.transpose(2, 3)) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    floor = torch.finfo(scores.dtype).min
-    if attention_mask is None:
-        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        if causal:  # bottom-right: query i sits at key position offset + i
-            queries, keys = scores.shape[-2:]
-            rows = torch.arange(queries, device=scores.device)[:, None] + keys - queries
-            allowed = rows >= torch.arange(keys, device=scores.device)
-            scores = scores.masked_fill(~allowed, floor)
-    elif attention_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attention_mask[..., : key.shape[-2]], floor)
-    else:
-        scores = scores + attention_mask[..., : key.shape[-2]]
-    if "attn_scores" in edits:
-        scores = _applied(edits["attn_scores"], scores)
-    pattern = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    if "pattern" in edits:
-        pattern = _applied(edits["pattern"], pattern)
-    output = torch.matmul(pattern, value).transpose(1, 2).contiguous()
-    return output, pattern
-
-
-def _implementation(module: torch.nn.Module) -> str:
-    name = getattr(getattr(module, "config", None), "_attn_implementation", None)
-    return name if isinstance(name, str) else "eager"
-
-
-@contextmanager
-def attention_edits(edits: Mapping[torch.nn.Module, Mapping[str, Edit]]) -> Iterator[None]:
-    """Within the block, on this thread, each attention module's function runs with its edits.
-
-    `edits[module][point]`, `point` one of `ATTENTION_POINTS`: `"q"` sees the query
-    `[batch, n_heads, pos, d_head]`, `"attn_scores"` and `"pattern"` `[batch, n_heads,
-    query_pos, key_pos]` (module notes). On a clean exit, a `PatchingError` names the
-    first edited module whose function did not run through the seam.
-    """
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    mine = _EDITS.by_module
-    if any(id(module) in mine for module in edits):
-        raise RuntimeError("an attention module is edited once at a time on one thread")
-    names = sorted({_implementation(module) for module in edits})
-    with _LOCK:
-        for name in names:
-            count, before = _INSTALLED.get(name, (0, _MISSING))
-            if count == 0:
-                before = ALL_ATTENTION_FUNCTIONS._local_mapping.get(name, _MISSING)
-                own = ALL_ATTENTION_FUNCTIONS[name] if name in ALL_ATTENTION_FUNCTIONS else None
-                ALL_ATTENTION_FUNCTIONS[name] = _dispatching(own)
-            _INSTALLED[name] = (count + 1, before)
-    ran = _EDITS.ran
-    try:
-        mine.update({id(module): dict(points) for module, points in edits.items()})
-        yield
-        missed = [module for module in edits if id(module) not in ran]
-        if missed:
-            raise PatchingError(
-                f"{type(missed[0]).__name__} computes its attention without "
-                "transformers' ALL_ATTENTION_FUNCTIONS (its "
-                f"config._attn_implementation={_implementation(missed[0])!r}), so its "
-                "queries, scores and patterns cannot be reached; patch k, v, z, resid_pre, "
-                "attn_out or mlp_out instead"
-            )
-    finally:
-        for module in edits:
-            mine.pop(id(module), None)
-            ran.discard(id(module))
-        with _LOCK:
-            for name in names:
-                count, before = _INSTALLED.pop(name)
-                if count > 1:
-                    _INSTALLED[name] = (count - 1, before)
-                elif before is _MISSING:
-                    del ALL_ATTENTION_FUNCTIONS[name]
-                else:
-                    ALL_ATTENTION_FUNCTIONS[name] = before

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 from jaxtyping import Float
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
@@ -352,7 +352,7 @@ def _release(held: list[_Switched]) -> None:
 
 
 @contextmanager
-def shared_prefix(model: torch.nn.Module) -> Iterator[None]:
+def shared_prefix(model: PreTrainedModel) -> Iterator[None]:
     """Within the block, `model`'s attention reads a prefix broadcast to every row once.
 
     Use it around forward passes on an [`HFKeyValueCache`][safelens.HFKeyValueCache]

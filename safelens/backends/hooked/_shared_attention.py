@@ -36,7 +36,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import einops
 import torch
@@ -47,6 +47,9 @@ from transformer_lens.utilities.activation_functions import softcap_enabled
 
 from ...core._cache_entry import KeyValueCacheEntry
 from ...core._thread_hooks import hooked_here
+
+if TYPE_CHECKING:
+    from transformer_lens import HookedTransformer
 
 __all__ = ["shared_prefix_attention"]
 
@@ -225,7 +228,7 @@ class _SharedReader:
 
 
 @contextmanager
-def shared_prefix_attention(model: torch.nn.Module) -> Iterator[None]:
+def shared_prefix_attention(model: HookedTransformer) -> Iterator[None]:
     """Within the block, `model`'s attention reads broadcast prefixes once per layer.
 
     Use it around forward passes on a frozen cache expanded from one prefix
