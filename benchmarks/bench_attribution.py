@@ -1,12 +1,15 @@
 """Attribution patching against the exact sweeps: agreement and speed.
 
 Agreement: on the flagship demo's trained induction model (`examples/_induction.py`:
-2-layer attention-only rotary, no LayerNorm, its prompts and metric) and on random-weight
-models, every cell of the exact k, v, q and z by-position grids is computed with
-safelens' exact sweeps and compared with `attribution_patch`, with and without the QK
-fix: the Spearman rank correlation of estimate and exact value over the grid and over
-the cells whose exact effect is above float noise, and the recall of the exact top-10
-cells (by |effect|) within the top-20 and top-50 estimates.
+2-layer attention-only rotary, no LayerNorm, its prompts and metric), on the same
+circuit trained in a plain HuggingFace Llama (`train_induction_model(0, hf=True)`), and
+on random-weight models with MLPs and LayerNorm, every cell of every exact grid the
+model has (k, v, q, z by position; pattern by destination and source; resid_pre,
+resid_mid, attn_out, mlp_out by position) is computed with safelens' exact sweeps and
+compared with `attribution_patch`, with and without the QK fix for k and q: the
+Spearman rank correlation of estimate and exact value over the grid and over the cells
+whose exact effect is above float noise, and the recall of the exact top-10 cells (by
+|effect|) within the top-20 and top-50 estimates (where the grid has more cells).
 
 Speed: k and v grids together, attribution (QK fix on) against the exact sweeps, on the
 SPEC's 4-layer d_model=256 rotary model. At 64 tokens the exact grids run whole; at 256
@@ -33,7 +36,7 @@ from transformer_lens.patching import layer_pos_head_vector_patch_setter
 
 import safelens
 
-from ._common import Row, rotary_model
+from ._common import Row, rotary_model, synchronize
 
 TARGET = "≥50× faster than the exact by-position grid"
 EXACT = {
@@ -41,29 +44,46 @@ EXACT = {
     "v": safelens.get_act_patch_attn_head_v_by_pos,
     "q": safelens.get_act_patch_attn_head_q_by_pos,
     "z": safelens.get_act_patch_attn_head_out_by_pos,
+    "pattern": safelens.get_act_patch_attn_head_pattern_dest_src_pos,
+    "resid_pre": safelens.get_act_patch_resid_pre,
+    "resid_mid": safelens.get_act_patch_resid_mid,
+    "attn_out": safelens.get_act_patch_attn_out,
+    "mlp_out": safelens.get_act_patch_mlp_out,
 }
+# The sites of an attention-only HookedTransformer (no resid_mid or MLP hook fires); the
+# HuggingFace demo model's are the same plus resid_mid (its MLPs are zero modules, no
+# effect to rank, so its resid_mid is the next layer's resid_pre).
+ATTENTION_ONLY = ("k", "v", "q", "z", "pattern", "resid_pre", "attn_out")
+HF_SITES = (*ATTENTION_ONLY, "resid_mid")
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NOISE = 1e-6  # below this |exact effect|, a cell's effect is float noise
 
 
-def demo_task(seed: int = 0):
+def demo_task(seed: int = 0, hf: bool = False):
     """The flagship demo's trained model, prompts and metric (`examples/_induction.py`).
 
     A 2-layer attention-only rotary model without LayerNorm, trained to continue repeated
     random segments; 16 prompts `BOS, s_1 … s_10, s_1 … s_9` whose corrupted copy has
     `s_9` of the first segment replaced by a token outside it; the metric is the demo's
-    mean log-probability of `s_10` at the last position, clean 1, corrupted 0.
+    mean log-probability of `s_10` at the last position, clean 1, corrupted 0. `hf`:
+    the same circuit trained in a plain HuggingFace Llama.
     """
     sys.path.insert(0, str(EXAMPLES))  # the examples import each other by bare name
     try:
         import _induction
     finally:
         sys.path.remove(str(EXAMPLES))
-    model, data, steps, accuracy = _induction.train_induction_model(seed)
-    print(f"the demo's model: {steps} training steps, held-out repeat accuracy {accuracy:.3f}")
+    model, data, steps, accuracy = _induction.train_induction_model(seed, hf=hf)
+    kind = "HuggingFace " if hf else ""
+    print(f"the demo's {kind}model: {steps} steps, held-out repeat accuracy {accuracy:.3f}")
     with torch.no_grad():
-        clean_logits, clean_cache = model.run_with_cache(data.clean)
-        metric = _induction.AnswerLogProb(clean_logits, model(data.corrupted), data.answers)
+        if hf:
+            clean_logits, clean_cache = safelens.run_with_patching_cache(model, data.clean)
+            corrupted_logits = model(data.corrupted).logits
+        else:
+            clean_logits, clean_cache = model.run_with_cache(data.clean)
+            corrupted_logits = model(data.corrupted)
+        metric = _induction.AnswerLogProb(clean_logits, corrupted_logits, data.answers)
     first = [f"s{i}" for i in range(1, _induction.SEGMENT + 1)]
     labels = ["BOS", *first, *first[:-1]]
     return model, (data.corrupted, clean_cache, metric), labels
@@ -83,37 +103,48 @@ def _case(model, clean, corrupted, answer, wrong):
     return corrupted, clean_cache, metric
 
 
-def agreement(model: HookedTransformer, corrupted, clean_cache, metric) -> dict[str, dict]:
-    """Per grid: Spearman, top-10 recall at 20 and 50, with and without the QK fix.
+def agreement(
+    model, corrupted, clean_cache, metric, sites=tuple(EXACT), qk_fix: bool = True
+) -> dict[str, dict]:
+    """Per grid of `sites`: Spearman, top-10 recall at 20 and 50, with and without the QK fix.
 
     Spearman is taken over the whole grid and over the cells with an effect (|exact
     effect| above `NOISE`). Elsewhere (a patch that changes nothing, or a query the
     metric does not read) the estimate is 0 and the exact effect float noise, which
-    ranks at random. The recall's top-10 is over the whole grid.
+    ranks at random. The recall's top-10 is over the whole grid; recall at N is left
+    out (None) where the grid has no more than N cells.
     """
     with torch.no_grad():
         exact = {
-            name: fn(model, corrupted, clean_cache, metric, progress=False)
-            for name, fn in EXACT.items()
+            name: EXACT[name](model, corrupted, clean_cache, metric, progress=False)
+            for name in sites
         }
-    fixed = safelens.attribution_patch(model, corrupted, clean_cache, metric)
-    plain = safelens.attribution_patch(model, corrupted, clean_cache, metric, qk_fix=False)
+    runs = {
+        "first order": safelens.attribution_patch(
+            model, corrupted, clean_cache, metric, activations=sites, qk_fix=False
+        )
+    }
+    if qk_fix:
+        runs["QK fix"] = safelens.attribution_patch(
+            model, corrupted, clean_cache, metric, activations=sites
+        )
     table: dict[str, dict] = {}
-    for name in EXACT:
-        for label, result in (("QK fix", fixed), ("plain AtP", plain)):
-            effect = (exact[name] - fixed.baseline).flatten()
+    for name in sites:
+        for label, result in runs.items():
+            if name in ("k", "q"):
+                label = "plain AtP" if label == "first order" else label
+            elif label == "QK fix":  # the QK fix changes only k and q
+                continue
+            effect = (exact[name] - result.baseline).flatten()
             estimate = (result.estimates[name] - result.baseline).flatten()
             live = effect.abs() > NOISE
-            if name in ("v", "z"):  # the QK fix changes only k and q
-                if label == "plain AtP":
-                    continue
-                label = "first order"
+            cells = effect.numel()
             table[f"{name}, {label}"] = {
                 "spearman": spearman(estimate, effect),
                 "spearman, with effect": spearman(estimate[live], effect[live]),
-                "recall@20": recall(estimate, effect, 20),
-                "recall@50": recall(estimate, effect, 50),
-                "cells with effect": f"{int(live.sum())}/{live.numel()}",
+                "recall@20": recall(estimate, effect, 20) if cells > 20 else None,
+                "recall@50": recall(estimate, effect, 50) if cells > 50 else None,
+                "cells with effect": f"{int(live.sum())}/{cells}",
                 "max |error|": float((estimate - effect).abs().max()),
                 "max |effect|": float(effect.abs().max()),
             }
@@ -140,8 +171,10 @@ def recall(estimate: torch.Tensor, effect: torch.Tensor, within: int, top: int =
 
 
 def _timed(fn):
+    synchronize()
     start = time.perf_counter()
     value = fn()
+    synchronize()
     return value, time.perf_counter() - start
 
 
@@ -175,9 +208,9 @@ def _exact_subset_time(model, corrupted, clean_cache, metric, positions: list[in
     return total / (2 * len(rows))
 
 
-def speed_row(length: int, subset: int | None) -> Row:
+def speed_row(length: int, subset: int | None, device: str = "cpu") -> Row:
     """Attribution (k and v, QK fix) against the exact k and v grids at `length` tokens."""
-    model = rotary_model(n_layers=4)
+    model = rotary_model(n_layers=4, device=device)
     corrupted, clean_cache, metric = random_task(model, length)
     run = lambda: safelens.attribution_patch(  # noqa: E731
         model, corrupted, clean_cache, metric, activations=["k", "v"]
@@ -230,7 +263,7 @@ def speed_row(length: int, subset: int | None) -> Row:
     )
 
 
-def figure(model, corrupted, clean_cache, metric, path: Path, labels=None) -> None:
+def figure(model, corrupted, clean_cache, metric, path: Path, labels=None, title="") -> None:
     """Exact, QK-fixed and plain k grids of one model, side by side (`labels`: positions)."""
     from matplotlib.figure import Figure
 
@@ -246,7 +279,8 @@ def figure(model, corrupted, clean_cache, metric, path: Path, labels=None) -> No
         ("attribution, plain AtP", plain.estimates["k"]),
     ]
     layers, length, heads = exact.shape
-    fig = Figure(figsize=(12, 3.2), layout="constrained")
+    fig = Figure(figsize=(12, 3.5), layout="constrained")
+    fig.suptitle(title)
     axes = fig.subplots(1, 3, sharey=True)
     limit = float((exact - fixed.baseline).abs().max())
     for ax, (title, grid) in zip(axes, panels, strict=True):
@@ -266,7 +300,8 @@ def figure(model, corrupted, clean_cache, metric, path: Path, labels=None) -> No
 def _print_agreement(label: str, table: dict[str, dict]) -> None:
     for name, values in table.items():
         cells = " | ".join(
-            f"{value:.3g}" if isinstance(value, float) else str(value) for value in values.values()
+            f"{value:.3g}" if isinstance(value, float) else "—" if value is None else str(value)
+            for value in values.values()
         )
         print(f"| {label} | {name} | {cells} |", flush=True)
 
@@ -274,7 +309,8 @@ def _print_agreement(label: str, table: dict[str, dict]) -> None:
 def accuracy(quick: bool = False, figures: Path | None = None) -> None:
     """Print the agreement table (a markdown row per grid); draw the heatmaps into `figures`.
 
-    The trained model is the demo's (trained in full even when `quick`: about 10 s).
+    The trained models are the demo's (trained in full even when `quick`: about 10 s for
+    the HookedTransformer, longer for the HuggingFace Llama, which `quick` leaves out).
     """
     model, case, labels = demo_task()
     print(
@@ -282,16 +318,22 @@ def accuracy(quick: bool = False, figures: Path | None = None) -> None:
         "recall@50 | cells with effect | max abs error | max abs effect |"
     )
     print("| --- " * 9 + "|")
-    _print_agreement("trained induction (demo)", agreement(model, *case))
-    randoms = [] if quick else [0, 1]
-    for seed in randoms:
+    sites = ("k", "v") if quick else ATTENTION_ONLY
+    _print_agreement("trained induction (demo)", agreement(model, *case, sites))
+    if not quick:
+        hf_model, hf_case, _ = demo_task(hf=True)
+        label = "trained induction, HF Llama"
+        _print_agreement(label, agreement(hf_model, *hf_case, HF_SITES))
+    for seed in [] if quick else [0, 1]:
         random = rotary_model(n_layers=2, d_model=128, n_heads=4, seed=seed)
         _print_agreement(f"random, seed {seed}", agreement(random, *random_task(random, 32, seed)))
     if figures is not None:
         figures.mkdir(parents=True, exist_ok=True)
-        figure(model, *case, figures / "attribution_induction_k.png", labels)
+        title = "Trained induction model of the demo (2 attention-only layers, 4 heads)"
+        figure(model, *case, figures / "attribution_induction_k.png", labels, title)
         random = rotary_model(n_layers=2, d_model=128, n_heads=4, seed=0)
-        figure(random, *random_task(random, 32), figures / "attribution_random_k.png")
+        title = "Random-weight model, seed 0 (2 layers with MLPs and LayerNorm, 4 heads)"
+        figure(random, *random_task(random, 32), figures / "attribution_random_k.png", None, title)
 
 
 def speed(quick: bool = False) -> list[Row]:

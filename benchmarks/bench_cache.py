@@ -23,7 +23,7 @@ import torch
 from transformer_lens import HookedTransformer
 from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
-from benchmarks._common import Row, rotary_model
+from benchmarks._common import Row, rotary_model, synchronize
 from safelens import KeyValueCache
 
 GENERATION_TARGET = "≥0.95× TransformerLens' cached generation at every length, identical tokens"
@@ -40,6 +40,7 @@ def _race(fns: dict[str, Callable[[], object]], repeats: int) -> tuple[dict[str,
             fn = fns[name]
             start = time.perf_counter()
             results[name] = fn()
+            synchronize()
             best[name] = min(best[name], time.perf_counter() - start)
     return best, results
 
@@ -107,7 +108,7 @@ def generation_rows(
     cfg = model.cfg
     prompt = torch.randint(
         0, cfg.d_vocab, (1, prompt_len), generator=torch.Generator().manual_seed(1)
-    )
+    ).to(cfg.device)
 
     def ours() -> torch.Tensor:
         return greedy(model, prompt, new_tokens, KeyValueCache.init_cache(cfg, cfg.device))

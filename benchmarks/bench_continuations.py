@@ -64,7 +64,7 @@ def _agree(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _rows_for(model, prefix_length: int, n: int, new: int, repeats: int):
-    prompt, continuations = _inputs(prefix_length, n, new)
+    prompt, continuations = (t.to(model.cfg.device) for t in _inputs(prefix_length, n, new))
     ours = _safelens(model, prompt, continuations)
     naive = _naive(model, prompt, continuations)
     ideal = _ideal(model, prompt, continuations)

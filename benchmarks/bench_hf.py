@@ -83,8 +83,8 @@ QUICK = Sizes(
 )
 
 
-def llama_model(sizes: Sizes = FULL, seed: int = 0) -> torch.nn.Module:
-    """The SPEC §3 HF benchmark model: a random-weight Llama-like GQA causal LM."""
+def llama_model(sizes: Sizes = FULL, seed: int = 0, device: str = "cpu") -> torch.nn.Module:
+    """The SPEC §3 HF benchmark model: a random-weight Llama-like GQA causal LM on `device`."""
     config = transformers.LlamaConfig(
         hidden_size=sizes.hidden,
         intermediate_size=4 * sizes.hidden,
@@ -98,7 +98,7 @@ def llama_model(sizes: Sizes = FULL, seed: int = 0) -> torch.nn.Module:
         pad_token_id=None,
     )
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).eval()
+    return transformers.LlamaForCausalLM(config).to(device).eval()
 
 
 def _inputs(sizes: Sizes, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,8 +156,8 @@ def _difference(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def continuation_rows(model, hf_model, sizes: Sizes, label: str) -> list[Row]:
     """safelens' continuations on `model` against one forward of `model` each, and
-    against HF's best way on `hf_model` (the same weights)."""
-    prompt, continuations = _inputs(sizes)
+    against HF's best way on `hf_model` (the same weights), on `hf_model`'s device."""
+    prompt, continuations = (t.to(hf_model.device) for t in _inputs(sizes))
     ours = _safelens(model, prompt, continuations)
     naive = _naive(model, prompt, continuations)
     best = _hf_best(hf_model, prompt, continuations)
@@ -257,7 +257,7 @@ def _prompt(sizes: Sizes) -> torch.Tensor:
 
 def generation_row(model, hf_model, sizes: Sizes, label: str) -> Row:
     """Greedy generation: safelens' on `model` against HF `generate` on `hf_model`."""
-    prompt, new = _prompt(sizes), sizes.generated
+    prompt, new = _prompt(sizes).to(hf_model.device), sizes.generated
     theirs = _hf_generate(hf_model, prompt, new)
     ours = _safelens_generate(model, prompt, new)
     t_theirs = _time(lambda: _hf_generate(hf_model, prompt, new), sizes)
@@ -275,7 +275,7 @@ def generation_row(model, hf_model, sizes: Sizes, label: str) -> Row:
 
 def hf_generate_row(model, sizes: Sizes) -> Row:
     """HF `generate` given an `HFKeyValueCache`, against the same with its DynamicCache."""
-    prompt, new = _prompt(sizes), sizes.generated
+    prompt, new = _prompt(sizes).to(model.device), sizes.generated
     theirs = _hf_generate(model, prompt, new)
     ours = _hf_generate(model, prompt, new, HFKeyValueCache(model.config))
     t_theirs = _time(lambda: _hf_generate(model, prompt, new), sizes)
@@ -294,7 +294,7 @@ def hf_generate_row(model, sizes: Sizes) -> Row:
 # -- TransformerBridge -----------------------------------------------------------------
 
 
-def bridge_model(sizes: Sizes) -> torch.nn.Module:
+def bridge_model(sizes: Sizes, device: str = "cpu") -> torch.nn.Module:
     """A TransformerBridge over `llama_model(sizes)`'s weights, booted offline.
 
     Booting needs a tokenizer folder: a word-level one (token `i` is `"t{i}"`) is saved
@@ -314,7 +314,7 @@ def bridge_model(sizes: Sizes) -> torch.nn.Module:
     with tempfile.TemporaryDirectory() as folder:
         tokenizer.save_pretrained(folder)
         bridge = TransformerBridge.boot_transformers(
-            folder, hf_model=llama_model(sizes), device="cpu"
+            folder, hf_model=llama_model(sizes, device=device), device=device
         )
     bridge.eval()
     return bridge

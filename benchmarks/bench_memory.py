@@ -1,5 +1,9 @@
 """Memory of N continuations of one prefix: safelens branches vs N separate TL caches.
 
+One more row: a sliding-window model (Mistral-like, window shorter than the context) run
+with `HFKeyValueCache(config=)` against `DynamicCache(config=)`, which keeps only each
+layer's window: the same bytes held, the same logits.
+
 The TransformerLens way to run N continuations of a P-token prefix from one cache is N
 deep copies of its cache, one per continuation. safelens' `prefix.expand(N)` (one
 batched forward) and `prefix.fork()` (one branch per continuation) share the prefix's
@@ -25,6 +29,7 @@ from benchmarks._common import Row, rotary_model
 from safelens import KeyValueCache
 
 TARGET = "prefix keys/values stored once: N× less than N separate caches"
+SLIDING_TARGET = "sliding-window layers: no more bytes than DynamicCache"
 NEW_TOKENS = 8
 TOLERANCE = 1e-4
 
@@ -106,8 +111,49 @@ def _seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def _sliding_window_row(quick: bool) -> Row:
+    """Bytes an HF sliding-window model's cache holds after a long prompt and 16 steps."""
+    import transformers
+    from transformers import DynamicCache
+
+    from safelens import HFKeyValueCache, hf_cache_argument
+
+    length, window = (64, 16) if quick else (1024, 128)
+    config = transformers.MistralConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=1000, sliding_window=window,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    lm = transformers.MistralForCausalLM(config).eval()
+    tokens = torch.randint(0, config.vocab_size, (1, length + 16), generator=_seeded(1))
+    caches = {"safelens": HFKeyValueCache(config=config), "hf": DynamicCache(config=config)}
+    logits: dict[str, list[torch.Tensor]] = {name: [] for name in caches}
+    argument = hf_cache_argument(lm)
+    with torch.no_grad():
+        for name, cache in caches.items():
+            for start, stop in [(0, length), *((i, i + 1) for i in range(length, length + 16))]:
+                out = lm(tokens[:, start:stop], use_cache=True, **{argument: cache})
+                logits[name].append(out.logits)
+    held = {
+        name: _unique_bytes(t for layer in cache.layers for t in (layer.keys, layer.values))
+        for name, cache in caches.items()
+    }
+    difference = max(
+        (a - b).abs().max().item() for a, b in zip(logits["safelens"], logits["hf"], strict=True)
+    )
+    return Row(
+        job=f"sliding window {window}, {length} + 16 tokens (Mistral-like, 4 layers)",
+        safelens=held["safelens"],
+        reference=held["hf"],
+        unit="bytes",
+        agree=difference <= TOLERANCE,
+        target=SLIDING_TARGET,
+        note=f"vs DynamicCache(config=); max abs logit diff {difference:.1e}",
+    )
+
+
 def run(quick: bool = False) -> list[Row]:
-    """Rows for N in (1, 8, 32, 128) with `expand`, and one for 32 forks."""
+    """Rows for N in (1, 8, 32, 128) with `expand`, one for 32 forks, one sliding window."""
     prefix_length = 64 if quick else 512
     model = rotary_model()
     prompt = torch.randint(0, model.cfg.d_vocab, (1, prefix_length), generator=_seeded(0))
@@ -123,7 +169,7 @@ def run(quick: bool = False) -> list[Row]:
         rows.append(_row(model, ours, theirs, 32, prefix_bytes, "fork"))
     for row in rows:
         row.job = f"P={prefix_length}: {row.job}"
-    return rows
+    return [*rows, _sliding_window_row(quick)]
 
 
 def main() -> None:

@@ -27,8 +27,8 @@ TARGET = "≥10× faster than TransformerLens' patching functions, max abs diffe
 GRIDS = {"k": "k", "v": "v", "q": "q", "z": "out"}
 
 
-def _setup(n_layers: int, length: int, shared: bool = False):
-    model = rotary_model(n_layers=n_layers)
+def _setup(n_layers: int, length: int, shared: bool = False, device: str = "cpu"):
+    model = rotary_model(n_layers=n_layers, device=device)
     generator = torch.Generator().manual_seed(0)
     clean, corrupted = (torch.randint(0, 1000, (1, length), generator=generator) for _ in "ab")
     if shared:  # the clean prompt with its middle token changed
@@ -51,8 +51,9 @@ def _compare(
     max_patches: int,
     declared: bool = True,
     shared: bool = False,
+    device: str = "cpu",
 ) -> tuple:
-    model, corrupted, clean_cache, metric = _setup(n_layers, length, shared)
+    model, corrupted, clean_cache, metric = _setup(n_layers, length, shared, device)
     if not declared:
         metric = _undeclared(metric)
     name = f"get_act_patch_attn_head_{GRIDS[activation]}_by_pos"

@@ -43,7 +43,10 @@ def grid_row(
     `shared`: the corrupted prompt is the clean one with its middle token changed.
     """
     generator = torch.Generator().manual_seed(0)
-    clean, corrupted = (torch.randint(1, VOCAB, (1, length), generator=generator) for _ in "ab")
+    clean, corrupted = (
+        torch.randint(1, VOCAB, (1, length), generator=generator).to(bridge.cfg.device)
+        for _ in "ab"
+    )
     if shared:
         corrupted = clean.clone()
         corrupted[0, length // 2] = clean[0, length // 2] % (VOCAB - 1) + 1

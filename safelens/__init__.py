@@ -4,6 +4,7 @@ from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
+from .backends._supported import SupportedModel
 from .core._cache import KeyValueCache
 from .core._cache_entry import KeyValueCacheEntry
 from .core._config import CacheDimensions, parse_dtype
@@ -13,9 +14,11 @@ from .core._errors import (
     CacheShapeError,
     FrozenCacheError,
     HookError,
+    JobFolderError,
     PatchingError,
     SafelensError,
     TokenError,
+    WorkerError,
 )
 from .core._hook_point import CacheHookPoint
 from .core._values import concat_values, shape_of
@@ -35,7 +38,9 @@ if TYPE_CHECKING:
     from .backends.hf._shared_attention import shared_prefix
     from .backends.hooked._hooks import add_hook, cache_hook_names, hooks, reset_hooks
     from .backends.hooked._shared_attention import shared_prefix_attention
+    from .distributed._workers import RayWorkers
     from .patching._attribution import AttributionResult, attribution_patch
+    from .patching._attribution_dataset import AttributionDatasetResult, attribution_patch_dataset
     from .patching._dataset import PatchingResult, patch_dataset
     from .patching._every import (
         get_act_patch_attn_head_all_pos_every,
@@ -73,7 +78,9 @@ _LAZY_MODULES = {
     ".backends.hf._shared_attention": ("shared_prefix",),
     ".backends.hooked._hooks": ("add_hook", "cache_hook_names", "hooks", "reset_hooks"),
     ".backends.hooked._shared_attention": ("shared_prefix_attention",),
+    ".distributed._workers": ("RayWorkers",),
     ".patching._attribution": ("AttributionResult", "attribution_patch"),
+    ".patching._attribution_dataset": ("AttributionDatasetResult", "attribution_patch_dataset"),
     ".patching._dataset": ("PatchingResult", "patch_dataset"),
     ".patching._hf_sites": ("run_with_patching_cache",),
     ".patching._every": (
@@ -124,12 +131,14 @@ def _missing_library(name: str, error: ImportError) -> str | None:
     if "transformer_lens" in libraries:
         try:
             installed = f"TransformerLens {version('transformer-lens')} is installed"
+            install = "pip install 'transformer-lens>=3.9,<4'"
         except PackageNotFoundError:
             installed = "TransformerLens is not installed"
+            install = "pip install 'safelens[transformer-lens]' 'transformer-lens>=3.9,<4'"
         return (
             f"safelens.{name} needs TransformerLens' HookedTransformer, which TransformerLens "
-            f"4 removed ({installed}): pip install 'transformer-lens>=3.9,<4'. On "
-            "TransformerLens 4, run the experiments on a TransformerBridge"
+            f"4 removed ({installed}): {install}. On TransformerLens 4, run the experiments "
+            "on a TransformerBridge"
         )
     return None
 
@@ -182,6 +191,8 @@ __all__ = [
     "PatchingResult",
     "attribution_patch",
     "AttributionResult",
+    "attribution_patch_dataset",
+    "AttributionDatasetResult",
     "plot_patching_heatmap",
     "PatchingError",
     "Prefix",
@@ -197,6 +208,7 @@ __all__ = [
     "ablate_write",
     "KeyValueCache",
     "KeyValueCacheEntry",
+    "SupportedModel",
     "HFKeyValueCache",
     "hf_cache_argument",
     "shared_prefix",
@@ -222,6 +234,9 @@ __all__ = [
     "HookError",
     "FrozenCacheError",
     "TokenError",
+    "JobFolderError",
+    "WorkerError",
+    "RayWorkers",
 ]
 
 

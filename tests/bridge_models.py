@@ -6,7 +6,7 @@ temporary folder that holds only a tokenizer (a word-level one: token `i` is `"t
 download. Booting replaces the HF model's attention modules in place, so each bridge wraps
 an HF model of its own, never `hf_models.model(...)`; `reference` is an identical,
 independent HF model for comparisons. `bridge` caches each, so tests must leave its hooks
-as found.
+as found. Both are on `devices.DEVICE` (`SAFELENS_TEST_DEVICE`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ import tempfile
 
 import torch
 import transformers
-from hf_models import CONFIGS, VOCAB
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
+from devices import DEVICE
+from hf_models import CONFIGS, tokenizer
 from transformer_lens.model_bridge import TransformerBridge
 
 FAMILIES = ("llama", "gpt2")
@@ -26,7 +25,7 @@ FAMILIES = ("llama", "gpt2")
 
 def _hf_model(name: str, layers: int = 2) -> torch.nn.Module:
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(CONFIGS[name](layers)).eval()
+    return transformers.AutoModelForCausalLM.from_config(CONFIGS[name](layers)).to(DEVICE).eval()
 
 
 @functools.cache
@@ -35,22 +34,13 @@ def reference(name: str = "llama") -> torch.nn.Module:
     return _hf_model(name)
 
 
-def _tokenizer() -> transformers.PreTrainedTokenizerFast:
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t1")),
-        bos_token="t0",
-        unk_token="t1",
-    )
-
-
 @functools.cache
 def bridge(name: str = "llama", layers: int = 2) -> TransformerBridge:
     """A TransformerBridge over a tiny random-weight HF model of family `name`; cached."""
     with tempfile.TemporaryDirectory() as folder:
-        _tokenizer().save_pretrained(folder)
+        tokenizer().save_pretrained(folder)
         booted = TransformerBridge.boot_transformers(
-            folder, hf_model=_hf_model(name, layers), device="cpu"
+            folder, hf_model=_hf_model(name, layers), device=DEVICE
         )
     booted.eval()
     return booted

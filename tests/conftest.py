@@ -1,4 +1,8 @@
-"""Test set-up: `tests/` on the path, no gradients, and the TransformerLens 4 skips.
+"""Test set-up: `tests/` on the path, the test device, no gradients, the TransformerLens 4 skips.
+
+`SAFELENS_TEST_DEVICE` picks the device the model builders use (`tests/devices.py`); a
+device this machine lacks stops the run at start-up instead of skipping tests, and the
+report header names the device.
 
 TransformerLens 4 removed `HookedTransformer` (and `HookedTransformerConfig`,
 `transformer_lens.components`, …). In an environment with TransformerLens 4, a test that
@@ -21,6 +25,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+from devices import DEVICE, check_device  # noqa: E402
 
 HOOKED_TRANSFORMER_REMOVED = "HookedTransformer was removed in TransformerLens 4"
 HAS_HOOKED_TRANSFORMER = int(version("transformer-lens").split(".")[0]) < 4
@@ -98,6 +104,9 @@ class _WithoutHookedTransformer:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    problem = check_device()
+    if problem is not None:
+        raise pytest.UsageError(f"{problem}; unset it to test on the CPU")
     config.addinivalue_line(
         "markers",
         "hooked_transformer: needs TransformerLens' HookedTransformer (skipped on "
@@ -105,6 +114,10 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     if not HAS_HOOKED_TRANSFORMER:
         config.pluginmanager.register(_WithoutHookedTransformer(), "without-hooked-transformer")
+
+
+def pytest_report_header() -> str:
+    return f"safelens test device: {DEVICE} (SAFELENS_TEST_DEVICE)"
 
 
 @pytest.fixture(autouse=True)

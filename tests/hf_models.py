@@ -3,6 +3,7 @@
 The model families of the HF backend: GPT-2 (raw keys), Llama (GQA), Qwen2 (qkv bias),
 Mistral (sliding window), Gemma-2 (hybrid sliding window, soft-capping, eager attention)
 and Phi-3. No download; `model` caches each, so tests must leave its hooks as found.
+Models and token ids are on `devices.DEVICE` (`SAFELENS_TEST_DEVICE`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import functools
 
 import torch
 import transformers
+from devices import DEVICE
 
 from safelens.backends.hf._model import hf_cache_argument
 
@@ -55,12 +57,12 @@ def model(
     """A tiny random-weight causal LM; cached, so tests must leave its hooks as found."""
     torch.manual_seed(0)
     built = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](layers))
-    return built.to(dtype).eval()
+    return built.to(DEVICE, dtype).eval()
 
 
 def ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(1, VOCAB, (batch, length), generator=generator)
+    return torch.randint(1, VOCAB, (batch, length), generator=generator).to(DEVICE)
 
 
 def run(lm: torch.nn.Module, tokens: torch.Tensor, cache: object = None, **kw) -> torch.Tensor:
@@ -75,3 +77,16 @@ def logits(lm: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         out = lm(tokens)
     return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer over the `VOCAB` ids, built offline: token `i` is `"t{i}"`."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t1")),
+        bos_token="t0",
+        unk_token="t1",
+    )

@@ -1,10 +1,11 @@
-"""Small random-weight HookedTransformer models for the tests (no download)."""
+"""Small random-weight HookedTransformer models for the tests (no download), on `DEVICE`."""
 
 from __future__ import annotations
 
 import functools
 
 import torch
+from devices import DEVICE
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 D_VOCAB = 61
@@ -37,7 +38,7 @@ def make_model(
         normalization_type="LN",
         dtype=dtype,
         seed=seed,
-        device="cpu",
+        device=str(DEVICE),
     )
     model = HookedTransformer(cfg)
     model.eval()
@@ -45,10 +46,10 @@ def make_model(
 
 
 def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
-    """Random token ids `[batch, length]`."""
+    """Random token ids `[batch, length]` on `DEVICE` (the same ids on every device)."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, D_VOCAB, (batch, length), generator=generator)
+    return torch.randint(0, D_VOCAB, (batch, length), generator=generator).to(DEVICE)
 
 
 def ones_mask(batch: int, length: int) -> torch.Tensor:
-    return torch.ones(batch, length, dtype=torch.long)
+    return torch.ones(batch, length, dtype=torch.long, device=DEVICE)

@@ -16,6 +16,7 @@ import transformer_lens.patching as tl_patching
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 from safelens import AttributionResult, PatchingError, attribution_patch
+from tests.devices import DEVICE
 from tests.models import make_model, tokens
 
 EXACT = {
@@ -41,7 +42,7 @@ def linear_model(n_layers: int, positional: str = "standard", n_kv_heads: int | 
         normalization_type=None,
         positional_embedding_type=positional,
         seed=3,
-        device="cpu",
+        device=str(DEVICE),
     )
     model = HookedTransformer(cfg)
     with torch.no_grad():  # larger queries and keys: sharper, saturating attention
@@ -114,31 +115,72 @@ def test_verification_returns_the_exact_values_of_the_top_k_estimates() -> None:
         )
 
 
-def test_first_order_estimates_equal_autograd_through_transformer_lens_without_a_cache() -> None:
-    model = make_model(positional="rotary")
+SITES = {  # activation -> TransformerLens hook name under blocks.{layer}.
+    "k": "attn.hook_k",
+    "v": "attn.hook_v",
+    "q": "attn.hook_q",
+    "z": "attn.hook_z",
+    "pattern": "attn.hook_pattern",
+    "resid_pre": "hook_resid_pre",
+    "resid_mid": "hook_resid_mid",
+    "attn_out": "hook_attn_out",
+    "mlp_out": "hook_mlp_out",
+}
+
+
+@pytest.mark.parametrize(("positional", "n_kv_heads"), [("rotary", None), ("standard", 2)])
+def test_first_order_estimates_equal_autograd_through_transformer_lens_without_a_cache(
+    positional: str, n_kv_heads: int | None
+) -> None:
+    """Every site against `run_with_hooks` and `torch.autograd.grad` in TransformerLens."""
+    model = make_model(positional=positional, n_kv_heads=n_kv_heads)
     corrupted, clean_cache = setup(model)
-    result = attribution_patch(model, corrupted, clean_cache, linear_metric, qk_fix=False)
-    names = [f"blocks.{layer}.attn.hook_{n}" for layer in range(2) for n in "kvqz"]
+    result = attribution_patch(
+        model, corrupted, clean_cache, linear_metric, activations=list(SITES), qk_fix=False
+    )
+    names = {
+        (a, layer): f"blocks.{layer}.{hook}" for a, hook in SITES.items() for layer in range(2)
+    }
     captured: dict[str, torch.Tensor] = {}
 
     def keep(tensor: torch.Tensor, hook) -> None:
         captured[hook.name] = tensor
 
     with torch.enable_grad():
-        embed = model.embed.W_E
-        embed.requires_grad_(True)
-        try:
-            logits = model.run_with_hooks(corrupted, fwd_hooks=[(n, keep) for n in names])
-            grads = torch.autograd.grad(linear_metric(logits), [captured[n] for n in names])
-        finally:
-            embed.requires_grad_(True)
-        baseline = linear_metric(logits).detach()
-    for name, grad in zip(names, grads, strict=True):
-        layer, activation = int(name.split(".")[1]), name[-1]
-        delta = clean_cache[name] - captured[name].detach()
-        expected = (grad * delta).sum(dim=(0, 3)) + baseline
+        logits = model.run_with_hooks(corrupted, fwd_hooks=[(n, keep) for n in names.values()])
+        baseline = linear_metric(logits)
+        grads = torch.autograd.grad(baseline, [captured[n] for n in names.values()])
+    for ((activation, layer), name), grad in zip(names.items(), grads, strict=True):
+        product = grad * (clean_cache[name] - captured[name].detach())
+        # pattern: [layer, head, dest, src], as get_act_patch_attn_head_pattern_dest_src_pos
+        expected = product.sum(0) if activation == "pattern" else product.sum(dim=(0, -1))
+        got = result.estimates[activation][layer]
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected + baseline.detach(), atol=1e-4, rtol=1e-4)
+
+
+NODE_EXACT = {
+    "pattern": tl_patching.get_act_patch_attn_head_pattern_dest_src_pos,
+    "resid_pre": tl_patching.get_act_patch_resid_pre,
+    "resid_mid": tl_patching.get_act_patch_resid_mid,
+    "attn_out": tl_patching.get_act_patch_attn_out,
+    "mlp_out": tl_patching.get_act_patch_mlp_out,
+}
+
+
+def test_verification_of_patterns_and_node_sites_gives_transformer_lens_values() -> None:
+    model = make_model(positional="rotary")
+    corrupted, clean_cache = setup(model, length=5)
+    result = attribution_patch(
+        model, corrupted, clean_cache, linear_metric, activations=list(NODE_EXACT), verify_top_k=3
+    )
+    for name, sweep in NODE_EXACT.items():
+        exact = sweep(model, corrupted, clean_cache, linear_metric)
+        assert result.estimates[name].shape == exact.shape
+        verified = result.exact[name].isfinite()
+        assert int(verified.sum()) == 3
         torch.testing.assert_close(
-            result.estimates[activation][layer], expected, atol=1e-4, rtol=1e-4
+            result.exact[name][verified], exact[verified], atol=1e-4, rtol=1e-4
         )
 
 
@@ -183,12 +225,12 @@ def test_the_qk_fix_is_refused_where_attention_transforms_keys_further() -> None
         d_vocab=11,
         attn_only=True,
         use_attention_sinks=True,
-        device="cpu",
+        device=str(DEVICE),
     )
     model = HookedTransformer(cfg)
     corrupted, clean_cache = (
-        torch.tensor([[1, 5, 3]]),
-        model.run_with_cache(torch.tensor([[1, 2, 3]]))[1],
+        torch.tensor([[1, 5, 3]], device=DEVICE),
+        model.run_with_cache(torch.tensor([[1, 2, 3]], device=DEVICE))[1],
     )
     with pytest.raises(PatchingError, match=r"\(cfg.use_attention_sinks\); pass qk_fix=False"):
         attribution_patch(model, corrupted, clean_cache, linear_metric)

@@ -14,8 +14,8 @@ import tempfile
 import pytest
 import torch
 import transformers
-from bridge_models import _tokenizer, bridge
-from hf_models import CONFIGS, model
+from bridge_models import bridge
+from hf_models import CONFIGS, tokenizer
 from transformer_lens.model_bridge import TransformerBridge
 
 import safelens
@@ -53,20 +53,38 @@ def autograd(lm, corrupted, names: list[str]):
     return value.detach(), captured, dict(zip(names, grads, strict=True))
 
 
+SITES = {  # activation -> the bridge's TransformerLens hook name under blocks.{layer}.
+    "k": "attn.hook_k",
+    "v": "attn.hook_v",
+    "q": "attn.hook_q",
+    "z": "attn.hook_z",
+    "pattern": "attn.hook_pattern",
+    "resid_pre": "hook_resid_pre",
+    "resid_mid": "hook_resid_mid",
+    "attn_out": "hook_attn_out",
+    "mlp_out": "hook_mlp_out",
+}
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_first_order_estimates_equal_autograd_through_the_bridge(family):
     lm = bridge(family)
     corrupted, clean_cache = setup(lm)
-    result = attribution_patch(lm, corrupted, clean_cache, linear_metric, qk_fix=False)
-    names = [f"blocks.{layer}.attn.hook_{n}" for layer in range(2) for n in "kvqz"]
-    baseline, captured, grads = autograd(lm, corrupted, names)
+    result = attribution_patch(
+        lm, corrupted, clean_cache, linear_metric, activations=list(SITES), qk_fix=False
+    )
+    names = {
+        (a, layer): f"blocks.{layer}.{hook}" for a, hook in SITES.items() for layer in range(2)
+    }
+    baseline, captured, grads = autograd(lm, corrupted, list(names.values()))
     torch.testing.assert_close(result.baseline, baseline, atol=1e-5, rtol=1e-5)
-    for name in names:
-        layer, activation = int(name.split(".")[1]), name[-1]
-        delta = clean_cache[name] - captured[name].detach()
-        expected = (grads[name] * delta).sum(dim=(0, 3)) + baseline
+    for (activation, layer), name in names.items():
+        product = grads[name] * (clean_cache[name] - captured[name].detach())
+        # pattern: [layer, head, dest, src], as get_act_patch_attn_head_pattern_dest_src_pos
+        expected = product.sum(0) if activation == "pattern" else product.sum(dim=(0, -1))
         got = result.estimates[activation][layer]
-        torch.testing.assert_close(got, expected, atol=TOL, rtol=TOL)
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected + baseline, atol=TOL, rtol=TOL)
     for activation in "kv":
         heads = 2 if family == "llama" else 4  # key/value heads
         assert result.estimates[activation].shape == (2, 6, heads)
@@ -111,20 +129,32 @@ def test_the_qk_fix_equals_the_patched_pattern_linearised_from_there(family, act
         torch.testing.assert_close(grid[layer, pos, head], baseline + effect, atol=TOL, rtol=TOL)
 
 
+EXACT = {
+    "k": "attn_head_k_by_pos",
+    "v": "attn_head_v_by_pos",
+    "pattern": "attn_head_pattern_dest_src_pos",
+    "resid_pre": "resid_pre",
+    "resid_mid": "resid_mid",
+    "attn_out": "attn_out",
+    "mlp_out": "mlp_out",
+}
+
+
 def test_verification_gives_the_exact_sweeps_values():
     lm = bridge("llama")
     corrupted, clean_cache = setup(lm)
     result = attribution_patch(
-        lm, corrupted, clean_cache, linear_metric, activations=["k", "v"], verify_top_k=4
+        lm, corrupted, clean_cache, linear_metric, activations=list(EXACT), verify_top_k=4
     )
 
     def batched(logits: torch.Tensor) -> torch.Tensor:
         return (logits[:, -1, 3] - logits[:, -1, 5]).reshape(-1, 2).sum(-1)
 
-    for name, sweep in (("k", "attn_head_k"), ("v", "attn_head_v")):
-        exact = getattr(safelens, f"get_act_patch_{sweep}_by_pos")(
+    for name, sweep in EXACT.items():
+        exact = getattr(safelens, f"get_act_patch_{sweep}")(
             lm, corrupted, clean_cache, batched, progress=False
         )
+        assert result.estimates[name].shape == exact.shape
         verified = result.exact[name].isfinite()
         assert int(verified.sum()) == 4
         torch.testing.assert_close(
@@ -160,16 +190,9 @@ def test_frozen_parameters_still_give_gradients():
 
 def boot(hf_model) -> TransformerBridge:
     with tempfile.TemporaryDirectory() as folder:
-        _tokenizer().save_pretrained(folder)
+        tokenizer().save_pretrained(folder)
         booted = TransformerBridge.boot_transformers(folder, hf_model=hf_model, device="cpu")
     return booted.eval()
-
-
-def test_a_plain_huggingface_model_is_refused_naming_the_bridge():
-    lm = model("llama")
-    tokens = torch.randint(1, 50, (1, 5))
-    with pytest.raises(PatchingError, match="wrap it in a TransformerLens TransformerBridge"):
-        attribution_patch(lm, tokens, {}, linear_metric)
 
 
 def test_the_qk_fix_is_refused_where_scores_are_no_multiple_of_q_dot_k():
@@ -200,7 +223,7 @@ def test_the_qk_fix_is_refused_where_scores_are_no_multiple_of_q_dot_k():
 def test_a_bridge_that_never_fires_the_rotated_keys_refuses_the_qk_fix():
     lm = bridge("phi3")
     corrupted, clean_cache = setup(lm)
-    with pytest.raises(PatchingError, match=r"fired no blocks.0.attn.hook_rot_k.*qk_fix=False"):
+    with pytest.raises(PatchingError, match=r"fired no blocks.0.attn.hook_rot_[qk].*qk_fix=False"):
         attribution_patch(lm, corrupted, clean_cache, linear_metric)
     plain = attribution_patch(lm, corrupted, clean_cache, linear_metric, qk_fix=False)
     assert set(plain.estimates) == {"k", "v", "q", "z"}

@@ -220,10 +220,33 @@ def test_init_cache_errors():
 def test_append_attention_mask_extends_the_last_axis():
     cache = KeyValueCache.init_cache(SimpleNamespace(n_layers=1, n_heads=2, d_head=4), "cpu", 2)
     first = cache.append_attention_mask(torch.tensor([[0, 1], [1, 1]]))
-    assert first.dtype == torch.int and first.tolist() == [[0, 1], [1, 1]]
+    assert first.dtype == torch.int64 and first.tolist() == [[0, 1], [1, 1]]
     full = cache.append_attention_mask(np.array([[1], [0]]))
     assert full.tolist() == [[0, 1, 1], [1, 1, 0]]
     assert torch.equal(cache.previous_attention_mask, full)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+@pytest.mark.parametrize(
+    "dtypes",
+    [(torch.int64, torch.int32), (torch.int32, torch.int64), (torch.bool, torch.int16)],
+    ids=str,
+)
+def test_the_mask_takes_transformer_lens_dtypes(dtypes, frozen):
+    """`init_cache`'s int32 mask, promoted by what is appended as TL's `torch.cat` does."""
+    cfg = HookedTransformerConfig(
+        n_layers=1, d_model=8, n_ctx=8, d_head=4, n_heads=2, d_vocab=5, act_fn="gelu", device="cpu"
+    )
+    ours = KeyValueCache.init_cache(cfg, "cpu", 2)
+    theirs = TransformerLensKeyValueCache.init_cache(cfg, "cpu", 2)
+    for cache in (ours, theirs):
+        cache.frozen = frozen
+    for dtype in dtypes:
+        mask = torch.tensor([[0, 1, 1], [1, 1, 1]], dtype=dtype)
+        full, reference = ours.append_attention_mask(mask), theirs.append_attention_mask(mask)
+        assert full.dtype == reference.dtype and torch.equal(full, reference)
+        held, their_held = ours.previous_attention_mask, theirs.previous_attention_mask
+        assert held.dtype == their_held.dtype and torch.equal(held, their_held)
 
 
 @pytest.mark.parametrize(

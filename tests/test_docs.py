@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import linecache
 import os
 import re
 import subprocess
@@ -74,7 +75,10 @@ def test_page_code_runs(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     for index, block in enumerate(blocks):
         stdout = io.StringIO()
         try:
-            code = compile(block, f"{page.relative_to(ROOT)}[block {index}]", "exec")
+            name = f"{page.relative_to(ROOT)}[block {index}]"
+            # Registered as source, as a file's would be: nnsight reads its `with` blocks back.
+            linecache.cache[name] = (len(block), None, block.splitlines(True), name)
+            code = compile(block, name, "exec")
             with contextlib.redirect_stdout(stdout):
                 exec(code, namespace)
         except Exception as error:
@@ -153,7 +157,7 @@ def test_api_reference_renders_factory_made_sweeps(tmp_path: Path) -> None:
     page = (site / "api" / "patching" / "index.html").read_text()
     text = re.sub(r"<[^>]+>", "", page)
     for name in ("get_act_patch_resid_pre", "get_act_patch_attn_head_v_all_pos"):
-        assert re.search(rf"{name}\(\s*model: HookedTransformer,", text), name
+        assert re.search(rf"{name}\(\s*model: SupportedModel,", text), name
     assert "Patch each head's values at all positions" in text
     assert "_sweep_function(" not in text
 
@@ -195,3 +199,43 @@ def test_induction_story_quotes_the_published_numbers() -> None:
     for name, result in ablations.items():
         rows = [f"| {result['loss']:.{d}f} | {result['p_correct']:.2f} |" for d in (2, 3)]
         assert any(row in edits for row in rows), f"docs/concepts/edits.md lacks {rows} ({name})"
+
+
+def test_patching_heatmap_quotes_the_published_numbers() -> None:
+    # docs/howto/patching.md shows the demonstration's key/value figure and quotes its
+    # grids (examples/induction_demo.py --docs): the numbers must be the published ones.
+    import json
+
+    numbers = json.loads((ROOT / "docs" / "figures" / "induction_numbers.json").read_text())
+    sweep, training = numbers["patching"], numbers["training"]
+    keys, values = sweep["keys"], sweep["values"]  # [layer][pos][head]
+    source = sweep["keys_peak"]["position"]
+    layer_1_keys = sorted(((keys[1][source][h], h) for h in range(4)), reverse=True)
+    layer_1_values = [values[1][source - 1][h] for h in range(4)]
+    page = (ROOT / "docs" / "howto" / "patching.md").read_text()
+    section = page[page.index("### A heatmap from a real run") :].replace("\n", " ")
+    section = section[: section.index("## TransformerBridge")]
+    expected = [
+        f"trained for {training['steps']} steps",
+        f"continued {training['accuracy']:.0%} of held-out",
+        "../figures/induction_kv_patching.png",
+        ", ".join(f"L1H{head} {value:.2f}" for value, head in layer_1_keys[1:]),
+        f"L1H{sweep['keys_peak']['head']} {sweep['keys_peak']['metric']:.2f} (the peak)",
+        f"L{sweep['values_peak']['layer']}H{sweep['values_peak']['head']} on "
+        f"`s{sweep['values_peak']['position']}` ({sweep['values_peak']['metric']:.2f}, the peak)",
+        f"add {min(layer_1_values):.2f}–{max(layer_1_values):.2f}",
+    ]
+    missing = [text for text in expected if text not in section]
+    assert not missing, f"docs/howto/patching.md's heatmap section does not quote {missing}"
+    assert layer_1_keys[0][1] == sweep["keys_peak"]["head"]
+    assert source == 10 and sweep["values_peak"]["position"] == 9  # the labels `s10`, `s9`
+
+
+def test_benchmarks_page_opens_with_the_latest_results() -> None:
+    # A reader's first screen is the latest result of each target, with date and versions.
+    lines = (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
+    sections = [line for line in lines if line.startswith("## ")]
+    assert sections[:2] == ["## Latest results", "## Running it"], sections
+    table = lines.index("## Latest results") + 1
+    header = next(i for i in range(table, len(lines)) if lines[i].startswith("| job"))
+    assert header < 20 and "measured" in lines[header] and "versions" in lines[header]

@@ -71,7 +71,7 @@ def test_bfloat16_matches_dynamic_cache_bitwise():
 def test_left_padded_batch_with_attention_mask():
     lm = model("qwen2")
     tokens = ids(2, 9)
-    mask = torch.ones(2, 9, dtype=torch.long)
+    mask = torch.ones_like(tokens)
     mask[0, :3] = 0
     full = run(lm, tokens, attention_mask=mask)
     cache = HFKeyValueCache()
@@ -154,26 +154,16 @@ def test_assisted_generation_crops_in_place_and_matches(name, dtype):
     assert cache.get_seq_length() == reference.shape[1] - 1
 
 
-def test_generate_on_a_frozen_cache_stores_nothing_and_assisted_decoding_is_refused():
-    """Greedy `generate` recomputes what a frozen cache cannot keep; `crop` would change it."""
+def test_generate_on_a_frozen_cache_is_refused_before_any_step():
+    """`generate` stores each step; a frozen cache stores none (`test_frozen_seam`)."""
     lm, prompt = model("llama"), ids(1, 8)
     prefix = prefilled("llama", prompt[:, :6])
     prefix.freeze()
     before = state(prefix)
     arg = hf_cache_argument(lm)
-    reference = lm.generate(prompt, max_new_tokens=4, do_sample=False)
-    assert torch.equal(
-        lm.generate(prompt, max_new_tokens=4, do_sample=False, **{arg: prefix}), reference
-    )
-    # transformers >= 5.24 checks is_croppable first (False while frozen); 5.23 calls crop
-    with pytest.raises((FrozenCacheError, ValueError), match=r"crop\(-1\) changes|be cropped"):
-        lm.generate(
-            prompt,
-            max_new_tokens=4,
-            do_sample=False,
-            assistant_model=model("qwen2"),
-            **{arg: prefix},
-        )
+    for options in ({}, {"assistant_model": model("qwen2")}):
+        with pytest.raises(FrozenCacheError, match="generate was handed a frozen cache"):
+            lm.generate(prompt, max_new_tokens=4, do_sample=False, **options, **{arg: prefix})
     assert_state(prefix, before)
 
 
@@ -307,6 +297,36 @@ def test_in_place_batch_methods_match_dynamic_cache():
     ours.freeze()
     with pytest.raises(FrozenCacheError, match="reorder_cache.beam_idx. changes the cache"):
         ours.reorder_cache(torch.tensor([0, 1, 2]))
+
+
+@pytest.mark.parametrize(
+    "indices",
+    [(0, 2), [2, 0], (-1,), torch.tensor([1, 1]), torch.tensor([True, False, True])],
+    ids=["tuple", "list", "negative", "tensor", "bool-mask"],
+)
+def test_batch_select_indices_reads_rows_as_dynamic_cache_does(indices):
+    lm, tokens = model("llama"), ids(3, 5)
+    ours, theirs = HFKeyValueCache(), DynamicCache(config=lm.config)
+    run(lm, tokens, ours), run(lm, tokens, theirs)
+    ours.batch_select_indices(indices), theirs.batch_select_indices(indices)
+    for mine, hf in zip(ours.layers, theirs.layers, strict=True):
+        assert torch.equal(mine.keys, hf.keys) and torch.equal(mine.values, hf.values)
+    assert ours.batch_size == theirs.layers[0].keys.shape[0]
+
+
+def test_batch_select_indices_out_of_range_is_an_index_error_that_changes_nothing():
+    lm, tokens = model("llama"), ids(3, 5)
+    ours, theirs = HFKeyValueCache(), DynamicCache(config=lm.config)
+    run(lm, tokens, ours), run(lm, tokens, theirs)
+    before = state(ours)
+    for indices in ((0, 3), [-4], torch.tensor([5])):
+        with pytest.raises(IndexError):
+            theirs.batch_select_indices(indices)
+        with pytest.raises(IndexError, match="do not index a batch of 3 rows"):
+            ours.batch_select_indices(indices)
+    with pytest.raises(TypeError, match="rows must be"):
+        ours.batch_select_indices((0.0, 1.0))
+    assert_state(ours, before)
 
 
 def test_hf_interface():
@@ -664,7 +684,7 @@ def test_threads_running_forks_of_one_frozen_prefix_give_the_serial_results():
         if wait:
             start.wait()
         steps = [run(lm, tokens[:, i : i + 2], fork) for i in range(0, 6, 2)]
-        prompt = torch.cat([torch.zeros(1, 6, dtype=torch.long), tokens], 1)
+        prompt = torch.cat([torch.zeros_like(tokens), tokens], 1)
         return [*steps, lm.generate(prompt, max_new_tokens=3, do_sample=False, **{arg: fork})]
 
     serial = [branch(seed) for seed in (1, 2, 3, 4)]
@@ -673,3 +693,41 @@ def test_threads_running_forks_of_one_frozen_prefix_give_the_serial_results():
     for ours, reference in zip(threaded, serial, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(ours, reference, strict=True))
     assert_state(prefix, before)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_torch_export_runs_as_with_dynamic_cache(frozen):
+    """`torch.export` flattens the cache to its keys and values, as `DynamicCache`."""
+    from transformers.integrations.executorch import register_dynamic_cache_export_support
+
+    register_dynamic_cache_export_support()
+    lm, tokens = model("llama"), ids(1, 8)
+    arg, new, mask = hf_cache_argument(lm), tokens[:, 5:], torch.ones_like(tokens)
+
+    def filled(cls):
+        cache = cls(config=lm.config)
+        run(lm, tokens[:, :5], cache)
+        return cache
+
+    def export(cache):
+        inputs = {"input_ids": new, "attention_mask": mask, arg: cache, "use_cache": True}
+        return torch.export.export(lm, (), inputs, strict=False).module()
+
+    ours, theirs = filled(HFKeyValueCache), filled(DynamicCache)
+    ours.frozen = frozen
+    before = state(ours)
+    exported, reference = export(ours), export(theirs)
+    assert_state(ours, before)
+    given = filled(HFKeyValueCache)
+    given.frozen = frozen
+    output = exported(input_ids=new, attention_mask=mask, **{arg: given}, use_cache=True)
+    expected = reference(
+        input_ids=new, attention_mask=mask, **{arg: filled(DynamicCache)}, use_cache=True
+    )
+    assert torch.equal(output.logits, expected.logits)
+    result = output.past_key_values
+    assert isinstance(result, HFKeyValueCache) and bool(result.frozen) == frozen
+    assert result.get_seq_length() == (5 if frozen else 8)
+    if not frozen:
+        for mine, hf in zip(result.layers, expected.past_key_values.layers, strict=True):
+            assert torch.equal(mine.keys, hf.keys) and torch.equal(mine.values, hf.values)

@@ -16,6 +16,7 @@ from contextlib import ExitStack, contextmanager
 
 import pytest
 import torch
+from devices import DEVICE
 from hf_models import CONFIGS, ids, model, run
 from models import make_model, tokens
 from transformers import DynamicCache
@@ -98,7 +99,7 @@ def test_continuations_equal_the_uncached_forward_and_dynamic_cache(name, dtype)
     theirs.batch_repeat_interleave(len(continuations))
     tokens = torch.nn.utils.rnn.pad_sequence(continuations, batch_first=True)
     real = scores.mask.long()
-    mask = torch.cat([torch.ones(len(continuations), 8, dtype=torch.long), real], 1)
+    mask = torch.cat([torch.ones(len(continuations), 8, dtype=torch.long, device=DEVICE), real], 1)
     logits = run(lm, tokens, theirs, attention_mask=mask, position_ids=positions_of(mask)[:, 8:])
     later = token_log_probs(logits[:, :-1], tokens[:, 1:]) * real[:, 1:]
     assert_close(scores.log_probs[:, 1:], later, dtype)
@@ -111,7 +112,7 @@ def test_continuations_equal_the_uncached_forward_and_dynamic_cache(name, dtype)
 @pytest.mark.parametrize(("name", "dtype"), CASES)
 def test_a_left_padded_row_gives_the_numbers_of_the_row_unpadded(name, dtype):
     lm, prompts = model(name, dtype), ids(2, 7)
-    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1] * 7])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1] * 7], device=DEVICE)
     prefix = prefill(lm, prompts, attention_mask=mask)
     assert_close(prefix.last_logits, uncached(lm, prompts, mask)[:, -1], dtype)
     continuation = ids(1, 4, seed=5)[0]
@@ -126,7 +127,7 @@ def test_a_left_padded_row_gives_the_numbers_of_the_row_unpadded(name, dtype):
 @pytest.mark.parametrize(("name", "dtype"), CASES)
 def test_greedy_generation_gives_hf_generate_tokens_on_a_left_padded_batch(name, dtype):
     lm, prompts = model(name, dtype), ids(2, 6)
-    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6], device=DEVICE)
     prefix = prefill(lm, prompts, attention_mask=mask)
     before = stored(prefix.cache)
     ours = generate(lm, prefix, 8)
@@ -350,7 +351,9 @@ def test_run_with_hooks_mixes_module_names_and_cache_hook_names(name):
     assert torch.equal(seen["model.layers.1.kv_cache.hook_v_new"], cache.layers[1].values)
     assert no_hooks(lm) and not any(p.fwd_hooks for p in cache.hook_points().values())
     # The next pass continues the cache, given the full mask as HuggingFace takes it.
-    more = run_with_hooks(lm, ids(1, 2, seed=3), cache=cache, attention_mask=torch.ones(1, 8))
+    more = run_with_hooks(
+        lm, ids(1, 2, seed=3), cache=cache, attention_mask=torch.ones(1, 8, device=DEVICE)
+    )
     assert more.shape == (1, 2, lm.config.vocab_size) and cache.get_seq_length() == 8
 
 
@@ -371,7 +374,7 @@ def test_a_failed_run_leaves_the_cache_and_the_model_as_they_were():
         CacheShapeError,
         match=r"attention_mask must be \[batch, pos_so_far \+ new_tokens\] = \(1, 8\)",
     ):
-        run_with_hooks(lm, ids(1, 2), cache=cache, attention_mask=torch.ones(1, 2))
+        run_with_hooks(lm, ids(1, 2), cache=cache, attention_mask=torch.ones(1, 2, device=DEVICE))
     with pytest.raises(
         ValueError, match="start_at_layer=1 has no counterpart on a HuggingFace model"
     ):
@@ -392,7 +395,7 @@ def test_capture_keeps_head_major_positions_and_heads():
         names=lambda name: name.endswith("hook_k_full"),
         positions=[0, -1],
         heads=1,
-        attention_mask=torch.ones(1, 8),
+        attention_mask=torch.ones(1, 8, device=DEVICE),
     )
     assert {n: tuple(t.shape) for n, t in captured.items()} == {
         "model.layers.0.kv_cache.hook_k_full": (1, 1, 2, 8),

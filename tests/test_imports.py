@@ -30,6 +30,7 @@ ANY_BACKEND = (
     ".patching._patterns",
     ".patching._dataset",
     ".patching._attribution",
+    ".distributed.",
 )
 HOOKED_ONLY = {
     name
@@ -115,7 +116,8 @@ def test_without_transformer_lens_hooked_names_say_what_to_install(without_trans
     assert set(without_transformer_lens["star"]) == set(without_transformer_lens["loaded"])
     for name, message in missing.items():
         assert message.startswith(f"safelens.{name} needs TransformerLens' HookedTransformer")
-        assert "TransformerLens is not installed" in message and INSTALL in message
+        assert "TransformerLens is not installed" in message
+        assert "pip install 'safelens[transformer-lens]' 'transformer-lens>=3.9,<4'" in message
 
 
 def test_every_public_name_loads_or_names_what_to_install_here():
@@ -152,3 +154,44 @@ def test_star_import_gives_every_name_that_loads_here():
     exec("from safelens import *", names)
     expected = set(safelens.__all__) | set(safelens._LAZY)
     assert set(names) - {"__builtins__"} == expected - (set() if HOOKED else HOOKED_ONLY)
+
+
+def _imports_of(path: Path, package: str) -> set[str]:
+    """The safelens modules `path` imports anywhere (type-checking and function-level too)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            module = ".".join(base + ([node.module] if node.module else []))
+            found.add(module)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("safelens"):
+            found.add(str(node.module))
+    return found
+
+
+def test_the_backends_import_each_other_without_cycles():
+    """Arrows point down: no module under safelens/backends imports back into its importers."""
+    modules = {}
+    for path in (ROOT / "safelens" / "backends").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = ".".join(parts[:-1])
+        modules[name] = _imports_of(path, package)
+    graph = {name: {m for m in imported if m in modules} for name, imported in modules.items()}
+    visiting: list[str] = []
+    done: set[str] = set()
+
+    def visit(name: str) -> None:
+        assert name not in visiting, " -> ".join([*visiting[visiting.index(name) :], name])
+        if name in done:
+            return
+        visiting.append(name)
+        for other in sorted(graph[name]):
+            visit(other)
+        visiting.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name)

@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 import torch
 import transformer_lens.patching as tl_patching
+from devices import DTYPES, TOLERANCE
 from models import D_VOCAB, make_model, tokens
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -34,8 +35,8 @@ SWEEPS = [
 MODELS = {"standard": ("standard", None), "rotary-gqa": ("rotary", 2)}
 
 
-def setup(kind: str, batch: int = 1, length: int = 6):
-    model = make_model(*MODELS[kind])
+def setup(kind: str, batch: int = 1, length: int = 6, dtype: torch.dtype = torch.float32):
+    model = make_model(*MODELS[kind], dtype=dtype)
     clean, corrupted = tokens(batch, length, seed=1), tokens(batch, length, seed=2)
     clean_logits, clean_cache = model.run_with_cache(clean)
     corrupted_logits = model(corrupted)
@@ -57,6 +58,16 @@ def test_sweep_equals_transformer_lens(kind: str, name: str) -> None:
     assert result.dtype == expected.dtype and result.device == expected.device
     assert expected.std() > 0
     torch.testing.assert_close(result, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", [name for name in SWEEPS if "_k_" in name or "_v_" in name])
+def test_key_value_sweeps_equal_transformer_lens_in_each_dtype(name: str, dtype) -> None:
+    model, corrupted, clean_cache, metric = setup("rotary-gqa", length=6, dtype=dtype)
+    expected = getattr(tl_patching, name)(model, corrupted, clean_cache, metric)
+    result = getattr(safelens, name)(model, corrupted, clean_cache, metric, progress=False)
+    assert expected.std() > 0
+    torch.testing.assert_close(result, expected, **TOLERANCE[dtype])
 
 
 def every_position(logits: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,8 @@ import itertools
 import pandas as pd
 import pytest
 import torch
-from bridge_models import _hf_model, _tokenizer, bridge
+from bridge_models import _hf_model, bridge
+from hf_models import tokenizer
 from test_patching_hf import SWEEPS, batched, metric
 from transformer_lens import patching
 from transformer_lens.model_bridge import TransformerBridge
@@ -133,7 +134,7 @@ def fresh_llama_bridge() -> TransformerBridge:
     import tempfile
 
     with tempfile.TemporaryDirectory() as folder:
-        _tokenizer().save_pretrained(folder)
+        tokenizer().save_pretrained(folder)
         booted = TransformerBridge.boot_transformers(
             folder, hf_model=_hf_model("llama"), device="cpu"
         )

@@ -19,8 +19,7 @@ import pandas as pd
 import pytest
 import torch
 import transformers
-from bridge_models import _tokenizer
-from hf_models import CONFIGS, ids
+from hf_models import CONFIGS, ids, tokenizer
 from transformer_lens import patching
 from transformer_lens.model_bridge import TransformerBridge
 
@@ -51,7 +50,7 @@ def sharp_model(name: str) -> torch.nn.Module:
 def sharp_bridge(name: str) -> TransformerBridge:
     """A bridge over `sharp_model(name)`'s twin (booting edits the model it wraps); cached."""
     with tempfile.TemporaryDirectory() as folder:
-        _tokenizer().save_pretrained(folder)
+        tokenizer().save_pretrained(folder)
         booted = TransformerBridge.boot_transformers(folder, hf_model=_sharp(name), device="cpu")
     booted.eval()
     return booted
@@ -372,25 +371,20 @@ def test_hf_block_every_equals_a_loop_of_hooked_forwards(name):
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in lm.modules())
 
 
-def test_hf_refuses_pattern_sweeps_and_head_bundles_before_any_pass():
+def test_hf_bundles_check_the_clean_cache_before_any_pass():
     lm = sharp_model("llama")
     clean, corrupted = prompts()
     _, clean_cache = run_with_patching_cache(lm, clean)
     passes, handle = forward_counter(lm)
     try:
-        for sweep in PATTERNS:
-            with pytest.raises(
-                PatchingError,
-                match="activation 'pattern' has no hook point on a plain HuggingFace model",
-            ):
-                getattr(safelens, sweep)(lm, corrupted, clean_cache, batched, progress=False)
         for bundle in BUNDLES[1:]:
+            missing = {k: v for k, v in clean_cache.items() if "hook_pattern" not in k}
             with pytest.raises(
                 PatchingError,
-                match=rf"{bundle} stacks sweeps of z, q, k, v, pattern, and cannot sweep 'z' "
-                "here: activation 'z' has no hook point on a plain HuggingFace model",
+                match=rf"{bundle} stacks sweeps of z, q, k, v, pattern, and cannot sweep "
+                "'pattern' here: clean_cache has no activation 'blocks.0.attn.hook_pattern'",
             ):
-                getattr(safelens, bundle)(lm, corrupted, clean_cache, batched, progress=False)
+                getattr(safelens, bundle)(lm, corrupted, missing, batched, progress=False)
         missing = {k: v for k, v in clean_cache.items() if "mlp" not in k}
         with pytest.raises(PatchingError, match="clean_cache has no activation 'blocks.0.hook_mlp"):
             safelens.get_act_patch_block_every(lm, corrupted, missing, batched, progress=False)

@@ -129,11 +129,15 @@ def test_bridge_generic_refuses_what_it_cannot_patch():
     assert all(not point._forward_hooks for point in lm.hook_dict.values())
 
 
-def test_generic_on_a_plain_huggingface_model_says_what_to_use():
+def test_generic_on_a_plain_huggingface_model_names_what_it_patches():
     lm = model("llama")
     clean, corrupted = pair()
     _, clean_cache = run_with_patching_cache(lm, clean)
-    with pytest.raises(PatchingError, match="needs a HookedTransformer or a TransformerBridge"):
+    with pytest.raises(PatchingError, match="which safelens does not patch on a HuggingFace"):
         safelens.generic_activation_patch(
-            lm, corrupted, clean_cache, metric, smear, "resid_pre", ("layer", "pos")
+            lm, corrupted, clean_cache, metric, smear, "embed", ("layer", "pos")
+        )
+    with pytest.raises(PatchingError, match="clean_cache has no activation 'blocks.0.attn.hook_q'"):
+        safelens.generic_activation_patch(
+            lm, corrupted, {}, metric, smear, "q", ("layer", "pos"), progress=False
         )

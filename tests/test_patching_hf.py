@@ -19,6 +19,7 @@ import pytest
 import torch
 import transformers
 from bridge_models import bridge
+from devices import TOLERANCE
 from hf_models import ids, model
 from transformer_lens import patching
 
@@ -295,11 +296,19 @@ HF_SWEEPS = [
 
 
 @pytest.mark.parametrize(
-    ("name", "padded"), [("llama", False), ("llama", True), ("gpt2", True), ("gemma2", False)]
+    ("name", "padded", "dtype"),
+    [
+        ("llama", False, "float32"),
+        ("llama", True, "float32"),
+        ("gpt2", True, "float32"),
+        ("gemma2", False, "float32"),
+        ("llama", True, "bfloat16"),
+    ],
 )
-def test_hf_sweeps_equal_a_loop_of_hooked_forwards(name, padded, monkeypatch):
+def test_hf_sweeps_equal_a_loop_of_hooked_forwards(name, padded, dtype, monkeypatch):
     """Keys patched post-rotary at the cache seam equal keys patched pre-rotary at k_proj."""
-    lm = model(name)
+    lm = model(name, getattr(torch, dtype))
+    tol = TOL if dtype == "float32" else TOLERANCE[torch.bfloat16]["atol"]
     clean, corrupted = prompts(2, padded)
     mask = torch.ones_like(clean)
     if padded:
@@ -309,8 +318,11 @@ def test_hf_sweeps_equal_a_loop_of_hooked_forwards(name, padded, monkeypatch):
     for sweep, activation, indices in HF_SWEEPS:
         got = getattr(safelens, sweep)(lm, corrupted, clean_cache, batched(2), progress=False)
         expected = reference(lm, activation, indices, clean, corrupted, mask)
-        assert (got[tuple(torch.tensor(indices).T)] - expected).abs().max() <= TOL, sweep
-        assert (got - got.flatten()[0]).abs().max() > 1e-6, sweep  # the patches matter
+        assert (got[tuple(torch.tensor(indices).T)] - expected).abs().max() <= tol, sweep
+        # The patches matter (in bfloat16, a whole key/value head's effect on this tiny
+        # model is below the metric's resolution; per-position patches still show).
+        if dtype == "float32" or "all_pos" not in sweep:
+            assert (got - got.flatten()[0]).abs().max() > 1e-6, sweep
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in lm.modules())
 
 
@@ -327,13 +339,16 @@ def test_hf_clean_cache_holds_what_the_sweeps_patch():
 # -- bad input ----------------------------------------------------------------------------
 
 
-def test_hf_sweeps_refuse_what_a_plain_model_has_no_hook_for():
-    lm = model("llama")
+def test_hf_sweeps_refuse_resid_mid_where_attention_and_mlp_run_in_parallel():
+    """GPT-NeoX (parallel residual) has no residual stream between attention and MLP."""
+    config = OTHER_ATTENTION["gpt_neox"]
+    config.update(dict(vocab_size=50, bos_token_id=0, eos_token_id=None, pad_token_id=None))
+    lm = transformers.AutoModelForCausalLM.from_config(config).eval()
     clean, corrupted = prompts(1, False)
     _, clean_cache = run_with_patching_cache(lm, clean)
-    for sweep in ("get_act_patch_attn_head_q_by_pos", "get_act_patch_resid_mid"):
-        with pytest.raises(PatchingError, match="no hook point on a plain HuggingFace model"):
-            getattr(safelens, sweep)(lm, corrupted, clean_cache, batched(1), progress=False)
+    assert "blocks.0.hook_resid_mid" not in clean_cache
+    with pytest.raises(PatchingError, match=r"in parallel .*use_parallel_residual=True"):
+        safelens.get_act_patch_resid_mid(lm, corrupted, clean_cache, batched(1), progress=False)
 
 
 def test_sweeps_name_a_clean_cache_that_does_not_fit():
@@ -358,10 +373,12 @@ def test_run_with_patching_cache_refuses_a_bridge():
         run_with_patching_cache(bridge("llama"), ids(1, 4))
 
 
-def test_generic_activation_patch_says_it_needs_a_hooked_transformer():
+def test_generic_activation_patch_names_a_clean_cache_without_the_activation():
     lm = model("llama")
     clean, corrupted = prompts(1, False)
-    with pytest.raises(PatchingError, match="generic_activation_patch needs a HookedTransformer"):
+    with pytest.raises(
+        PatchingError, match="clean_cache has no activation 'blocks.0.hook_resid_pre'"
+    ):
         safelens.generic_activation_patch(
             lm, corrupted, {}, batched(1), lambda a, i, c: a, "resid_pre", ["layer", "pos"]
         )

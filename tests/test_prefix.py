@@ -567,6 +567,7 @@ def test_a_tokenizers_left_padding_is_masked_in_every_batch_as_transformer_lens_
     model.eval()
     p = model.tokenizer.pad_token_id
     full = torch.tensor([[p, p, 2, 5, 6, 7, 8, 9], [2, 11, 12, 13, 14, 15, 16, 17]])[:rows]
+    full = full.to(model.cfg.device)
     with torch.no_grad():
         expected = model(full).log_softmax(-1)
     prefix = prefill(model, full[:, :6])

@@ -55,15 +55,12 @@ def assert_bitwise(after: list[torch.Tensor], before: list[torch.Tensor]) -> Non
 
 
 def assert_same_as_transformer_lens(ours: KeyValueCache, theirs) -> None:
-    """Keys and values bitwise; the mask by value, since it keeps the cache's dtype.
+    """Keys, values and the mask bitwise, dtype included.
 
-    TransformerLens' `torch.cat` promotes its `int32` mask to the `int64` of the masks
-    passed in; safelens converts what arrives to what is cached, so its mask stays `int32`.
+    `init_cache`'s mask is int32 in both; TransformerLens' `torch.cat` promotes it to the
+    int64 of the masks passed in, and safelens' mask follows it.
     """
-    *our_kv, our_mask = state(ours)
-    *their_kv, their_mask = state(theirs)
-    assert_bitwise(our_kv, their_kv)
-    assert our_mask.dtype == torch.int and torch.equal(our_mask, their_mask.int())
+    assert_bitwise(state(ours), state(theirs))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -54,6 +54,13 @@ def _shown(value: Any) -> Any:
     return value.view() if isinstance(value, Sequence) else value
 
 
+def _promoted(held: torch.dtype, new: Any) -> torch.dtype:
+    """The dtype `torch.cat` gives an integer mask of `held` and integer tensor `new`."""
+    if not isinstance(new, torch.Tensor) or new.is_floating_point() or new.is_complex():
+        return held
+    return torch.promote_types(held, new.dtype)
+
+
 class KeyValueCache:
     """Per-layer keys and values plus the attention mask seen so far.
 
@@ -214,7 +221,10 @@ class KeyValueCache:
         """Append `attention_mask` along its last axis; return the full mask.
 
         Stores it unless frozen. With no previous mask it starts from an empty one of the
-        same kind. The new mask takes the kind, dtype and device of the stored one.
+        same kind. The new mask takes the kind and device of the stored one, and the dtype
+        `torch.cat` gives them, as in TransformerLens' cache: `init_cache`'s int32 mask
+        joined with an int64 mask is int64 (another kind, or a floating mask, takes the
+        stored dtype).
 
         **Raises:** [`CacheShapeError`][safelens.CacheShapeError] when its batch size
         differs from the cached mask's; the cache is then unchanged.
@@ -224,9 +234,11 @@ class KeyValueCache:
             if not self._frozen:
                 self.previous_attention_mask = full
             return full
-        held = self._mask.template
+        stored = self._mask
+        held = stored.template
+        dtype = _promoted(held.dtype, attention_mask)
         try:
-            new = to_like(attention_mask, held)
+            new = to_like(attention_mask, held.new_empty(0, dtype=dtype))
         except (TypeError, ValueError, RuntimeError) as error:
             raise CacheShapeError(
                 f"attention_mask of type {type(attention_mask).__name__} cannot be converted "
@@ -235,10 +247,16 @@ class KeyValueCache:
         if new.dim() != 2 or new.shape[0] != held.shape[0]:
             raise CacheShapeError(
                 f"attention_mask of shape {tuple(new.shape)} does not fit the cached mask "
-                f"[batch={held.shape[0]}, pos_so_far={self._mask.length}]; expected "
+                f"[batch={held.shape[0]}, pos_so_far={stored.length}]; expected "
                 f"[batch={held.shape[0]}, new_tokens]"
             )
-        return self._mask.joined(new) if self._frozen else self._mask.append_(new)
+        if dtype != held.dtype:
+            # As TransformerLens' `torch.cat`: its int32 mask joined with int64 is int64.
+            stored = Sequence.of(stored.view().to(dtype))
+        if self._frozen:
+            return stored.joined(new)
+        self._mask = stored
+        return stored.append_(new)
 
     # -- freezing ---------------------------------------------------------------------
 

@@ -52,12 +52,15 @@ def row_index(rows: Any, batch: int) -> torch.Tensor:
     `IndexError` for rows outside the batch or none at all.
 
     ```python
-    >>> row_index([0, -1], 4), row_index(slice(1, 3), 4)
-    (tensor([0, 3]), tensor([1, 2]))
+    >>> row_index([0, -1], 4), row_index((0, 2), 4), row_index(slice(1, 3), 4)
+    (tensor([0, 3]), tensor([0, 2]), tensor([1, 2]))
 
     ```
     """
     check_rows(rows)
+    # A tuple is a list of rows (as `DynamicCache.batch_select_indices` reads it); torch
+    # would read it as one index per axis.
+    rows = list(rows) if isinstance(rows, tuple) else rows
     device = rows.device if isinstance(rows, torch.Tensor) else None
     try:
         index = torch.arange(batch, device=device)[rows].reshape(-1)

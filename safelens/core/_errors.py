@@ -17,6 +17,8 @@ __all__ = [
     "FrozenCacheError",
     "PatchingError",
     "TokenError",
+    "JobFolderError",
+    "WorkerError",
 ]
 
 
@@ -50,3 +52,11 @@ class PatchingError(SafelensError, ValueError):
 
 class TokenError(SafelensError, ValueError):
     """Token ids of the wrong dtype or rank, outside `[0, d_vocab)`, or past `n_ctx`."""
+
+
+class JobFolderError(SafelensError, ValueError):
+    """A sharded job's output folder holds another job's shards, or a shard it cannot read."""
+
+
+class WorkerError(SafelensError, RuntimeError):
+    """Ray workers that cannot run a sharded job: replicas differ, or a shard kills them."""

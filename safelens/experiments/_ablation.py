@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ..backends._backend import Backend, backend_of, cache_ops
+from ..backends._supported import SupportedModel
 from ..core._errors import CacheConfigError
 from ..core._thread_hooks import Hook
 from ..core._tokens import check_tokens
@@ -137,7 +138,7 @@ def _backend(model: Any, prefix: Prefix, edits: list[_Edit]) -> Backend:
 
 
 def ablate_write(
-    model: torch.nn.Module, prefix: Prefix, ablations: Ablation | Sequence[Ablation]
+    model: SupportedModel, prefix: Prefix, ablations: Ablation | Sequence[Ablation]
 ) -> Prefix:
     """Write-time ablation: the prefix recomputed with the edit in its keys/values.
 

@@ -35,6 +35,7 @@ from jaxtyping import Int
 from ..backends._backend import CacheLayout, CacheOps, CacheShape, cache_ops
 from ..core._arguments import as_index
 from ..core._errors import CacheShapeError
+from ..core._repr import summary_repr
 from ._prefix import Prefix
 
 __all__ = ["Ablation"]
@@ -112,7 +113,7 @@ def _is_cache(value: Any) -> bool:
     return True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Ablation:
     """What to ablate in a prefix's keys/values, and with what.
 
@@ -146,6 +147,8 @@ class Ablation:
 
     ```
     """
+
+    __repr__ = summary_repr  # a reference tensor by its shape, not by value
 
     kind: AblationKind
     layers: Indices
@@ -327,9 +330,11 @@ def _sources(
             if weights is None:
                 sources[layer, target] = picked[0]
                 continue
-            rows = torch.cat([p.to(weights.device, torch.float32) for p in picked])
-            mean = (rows * weights[:, :, None, None]).sum(0, keepdim=True)
-            sources[layer, target] = mean / weights.sum(0)[None, :, None, None]
+            # On the layer's own device: a model split over devices keeps each layer apart.
+            here = weights.to(picked[0].device)
+            rows = torch.cat([p.to(here.device, torch.float32) for p in picked])
+            mean = (rows * here[:, :, None, None]).sum(0, keepdim=True)
+            sources[layer, target] = mean / here.sum(0)[None, :, None, None]
     return sources
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..backends._backend import FwdHooks, NamesFilter, backend_of
+from ..backends._supported import SupportedModel
 from ..core._errors import HookError
 from ..core._hook_point import CacheHookPoint
 
@@ -43,7 +44,7 @@ def _index(indices: Indices, size: int, what: str, name: str) -> torch.Tensor:
 
 
 def run_with_cache_capture(
-    model: torch.nn.Module,
+    model: SupportedModel,
     input: Any,
     *,
     cache: Any,

@@ -31,8 +31,10 @@ import torch
 from jaxtyping import Float, Int
 
 from ..backends._backend import Backend
+from ..backends._supported import SupportedModel
 from ..core._arguments import flag, positive_int
 from ..core._errors import CacheShapeError, TokenError
+from ..core._repr import summary_repr
 from ..core._tokens import check_tokens
 from ._prefix import Prefix, check_prefix, runner_of, token_limits
 
@@ -42,7 +44,7 @@ DEFAULT_MEMORY_BUDGET = 1 << 30
 _AUTO_PROGRESS_BATCHES = 8
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class ContinuationScores:
     """Per-token log-probabilities of continuations, right-padded to the longest.
 
@@ -53,6 +55,8 @@ class ContinuationScores:
     - `mask`: `[n, new_tokens]`, True on real tokens.
     - `sums`: `[n]` total log-probability of each continuation.
     """
+
+    __repr__ = summary_repr  # tensors by shape, not by value
 
     log_probs: Float[torch.Tensor, "n new_tokens"]
     mask: torch.Tensor
@@ -131,7 +135,7 @@ def _progress(items: list[range], progress: bool | None, what: str) -> Any:
 
 
 def score_continuations(
-    model: torch.nn.Module,
+    model: SupportedModel,
     prefix: Prefix,
     continuations: Sequence[Int[torch.Tensor, " new_tokens"] | list[int]]
     | Int[torch.Tensor, "n new_tokens"],
@@ -197,7 +201,8 @@ def score_continuations(
     per_row = bytes_per_row(backend, prefix.length, longest)
     device = prefix.tokens.device
     log_probs = torch.zeros(len(rows), longest, dtype=torch.float32, device=device)
-    first = torch.log_softmax(prefix.last_logits[0].float(), dim=-1)
+    # On the tokens' device: the unembedding's may differ in a model split over devices.
+    first = torch.log_softmax(prefix.last_logits[0].float(), dim=-1).to(device)
     batches = _batches(len(rows), per_row, batch_size, memory_budget)
     runner = runner_of(backend, prefix)
     for batch in _progress(batches, progress, "continuations"):
@@ -217,7 +222,8 @@ def score_continuations(
         scores[:, 0] = first[tokens[:, 0]]
         if width > 1:
             later = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-            scores[:, 1:] = later.gather(-1, tokens[:, 1:, None])[..., 0]
+            following = tokens[:, 1:, None].to(later.device)
+            scores[:, 1:] = later.gather(-1, following)[..., 0].to(device)
         log_probs[picked, :width] = scores * mask
     keep = (torch.arange(longest)[None] < lengths[:, None]).to(device)
     return ContinuationScores(log_probs, keep, log_probs.sum(dim=-1))

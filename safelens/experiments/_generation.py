@@ -24,15 +24,17 @@ from typing import Any
 import torch
 from jaxtyping import Float, Int
 
+from ..backends._supported import SupportedModel
 from ..core._arguments import finite_number, flag, integer, positive_int
 from ..core._errors import TokenError
+from ..core._repr import summary_repr
 from ..core._tokens import check_tokens
 from ._prefix import Prefix, check_prefix, runner_of
 
 __all__ = ["Generation", "generate", "sample_logits"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Generation:
     """New tokens generated after a prefix.
 
@@ -43,6 +45,8 @@ class Generation:
     - `log_probs`: `[n, new_tokens]` log-probability of each generated token under the
       model (before temperature, top-k or top-p); 0 after a stop token.
     """
+
+    __repr__ = summary_repr  # tensors by shape, not by value
 
     tokens: Int[torch.Tensor, "n new_tokens"]
     lengths: Int[torch.Tensor, " n"]
@@ -145,7 +149,7 @@ def _token_ids(values: Any, d_vocab: int, name: str) -> torch.Tensor:
 
 
 def generate(
-    model: torch.nn.Module,
+    model: SupportedModel,
     prefix: Prefix,
     max_new_tokens: int,
     n_samples: int = 1,
@@ -243,7 +247,9 @@ def generate(
     log_probs = torch.zeros(rows, max_new_tokens, dtype=torch.float32, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     lengths = torch.full((rows,), max_new_tokens, dtype=torch.long, device=device)
-    logits = prefix.last_logits.repeat_interleave(n_samples, dim=0)
+    # Logits come off the unembedding's device; a model split over devices may hold it
+    # apart from the embedding's, where the tokens, the generator and the next pass are.
+    logits = prefix.last_logits.repeat_interleave(n_samples, dim=0).to(device)
     past = prefix.attention_mask.repeat_interleave(n_samples, dim=0)
     # Every step's mask is a view of this one: the prefix's, then one column per token.
     mask = torch.cat([past, past.new_ones(rows, max_new_tokens)], dim=1)
@@ -268,5 +274,5 @@ def generate(
                 log_probs[:, step] = chosen
             if step + 1 < max_new_tokens:
                 seen = mask[:, : prefix.length + step + 1]
-                logits = runner.forward(token[:, None], seen, branch)[:, -1]
+                logits = runner.forward(token[:, None], seen, branch)[:, -1].to(device)
     return Generation(tokens, lengths, log_probs)

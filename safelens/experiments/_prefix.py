@@ -34,8 +34,10 @@ import torch
 from jaxtyping import Float, Int
 
 from ..backends._backend import Backend, backend_of, cache_ops
+from ..backends._supported import SupportedModel
 from ..core._arguments import flag, integer
 from ..core._errors import CacheConfigError, CacheShapeError, FrozenCacheError, TokenError
+from ..core._repr import summary_repr
 from ..core._tokens import check_tokens
 
 __all__ = ["Prefix", "check_prefix", "prefill", "runner_of", "token_limits"]
@@ -46,7 +48,7 @@ def token_limits(backend: Backend) -> SimpleNamespace:
     return SimpleNamespace(d_vocab=backend.d_vocab, n_ctx=backend.n_ctx)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Prefix:
     """A prefix run once: its frozen cache and what continuations need from it.
 
@@ -63,6 +65,8 @@ class Prefix:
       `[batch, pos, d_model]` each, or `None` when not kept (or the backend cannot
       reuse them).
     """
+
+    __repr__ = summary_repr  # tensors by shape, not by value
 
     cache: Any
     tokens: Int[torch.Tensor, "batch pos"]
@@ -222,7 +226,7 @@ def _prefix_mask(backend: Backend, tokens: torch.Tensor, attention_mask: Any) ->
 
 
 def prefill(
-    model: torch.nn.Module,
+    model: SupportedModel,
     tokens_or_text: Int[torch.Tensor, "batch pos"] | str | list[str] | list[int],
     attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
     keep_residuals: bool = True,

@@ -36,12 +36,13 @@ from typing import Any, Literal
 import torch
 
 from ..backends._backend import FwdHooks, backend_of
+from ..backends._supported import SupportedModel
 
 __all__ = ["run_with_hooks"]
 
 
 def run_with_hooks(
-    model: torch.nn.Module,
+    model: SupportedModel,
     input: Any,
     *,
     cache: Any,

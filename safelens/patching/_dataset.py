@@ -43,9 +43,11 @@ import torch
 from jaxtyping import Float, Int
 from tqdm import tqdm
 
-from ..backends._backend import Backend, backend_of
+from ..backends._backend import Backend, NamesFilter, backend_of
+from ..backends._supported import SupportedModel
 from ..core._arguments import described, flag, is_int, positive_int
 from ..core._errors import PatchingError
+from ..core._repr import summary_repr
 from ..core._tokens import check_tokens
 from ..experiments._prefix import token_limits
 from ._hf_sites import run_with_patching_cache
@@ -53,7 +55,15 @@ from ._hf_sweeps import is_seam_model
 from ._limits import DEFAULT_MAX_BYTES
 from ._metric import reads_last_position
 
-__all__ = ["PatchingResult", "patch_dataset"]
+__all__ = [
+    "PatchingResult",
+    "check_options",
+    "clean_cache_of",
+    "lone_pair_doubled",
+    "pair_tokens",
+    "pairs_per_chunk",
+    "patch_dataset",
+]
 
 PairMetric = Callable[
     [Float[torch.Tensor, "rows pos d_vocab"], Int[torch.Tensor, " rows"]],
@@ -62,7 +72,7 @@ PairMetric = Callable[
 _EXACT_FLOAT32 = 2**24
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class PatchingResult:
     """A sweep over a dataset of prompt pairs: per-pair values and their summary.
 
@@ -76,6 +86,8 @@ class PatchingResult:
     - `ci_low`, `ci_high`: `[*grid]`, the percentile-bootstrap interval of the mean at
       `confidence`, from `n_bootstrap` resamples of the pairs.
     """
+
+    __repr__ = summary_repr  # tensors by shape, not by value
 
     per_pair: torch.Tensor
     mean: torch.Tensor
@@ -138,10 +150,20 @@ def _backend(model: Any) -> Backend:
     )
 
 
+def _needed(sweep: Callable[..., torch.Tensor]) -> Callable[[str], bool]:
+    """The clean cache names a HuggingFace `sweep` may read: patterns and scores (computed
+    eagerly, `[batch, n_heads, pos, pos]` per layer) only for a sweep that patches patterns."""
+    name = getattr(sweep, "__name__", "")
+    patterns = "pattern" in name or (
+        name.startswith("get_act_patch_attn_head_") and "every" in name
+    )
+    return lambda hook: patterns or not hook.endswith(("hook_pattern", "hook_attn_scores"))
+
+
 def _pair_bytes(backend: Backend, length: int) -> int:
     """Bytes one pair's clean cache and clean logits take, about."""
-    if backend.family == "hf":  # run_with_patching_cache: resid_pre, attn_out, mlp_out, k, v
-        width = 3 * backend.d_model + 2 * backend.n_kv_heads * backend.d_head
+    if backend.family == "hf":  # run_with_patching_cache: residuals, module outputs, q, z, k, v
+        width = 7 * backend.d_model + 2 * backend.n_kv_heads * backend.d_head
     else:  # every hook point, an MLP 4 * d_model wide, attention scores and pattern
         heads = max(1, backend.d_model // backend.d_head)
         width = 20 * backend.d_model + 2 * heads * length
@@ -149,19 +171,82 @@ def _pair_bytes(backend: Backend, length: int) -> int:
     return length * (backend.n_layers * width + backend.d_vocab) * itemsize
 
 
-def _tokens(backend: Backend, value: Any, name: str) -> torch.Tensor:
-    tokens = check_tokens(value, token_limits(backend), name)
+def pairs_per_chunk(backend: Backend, pairs: int, length: int, max_bytes: int) -> int:
+    """How many pairs of `length` tokens one chunk takes within `max_bytes`."""
+    return max(1, min(pairs, max_bytes // _pair_bytes(backend, length)))
+
+
+def check_options(
+    n_bootstrap: Any, confidence: Any, seed: Any, max_bytes: Any, progress: Any
+) -> None:
+    """`patch_dataset`'s options checked, or a `PatchingError` naming the one that is wrong."""
+    positive_int(n_bootstrap, "n_bootstrap", error=PatchingError)
+    positive_int(max_bytes, "max_bytes", error=PatchingError)
+    flag(progress, "progress", error=PatchingError)
+    if not is_int(seed) or seed < 0:
+        raise PatchingError(f"seed must be a non-negative int, got {described(seed)}")
+    if isinstance(confidence, bool) or not isinstance(confidence, float | int):
+        raise PatchingError(f"confidence must be a float in (0, 1), got {confidence!r}")
+    if not 0 < confidence < 1:
+        raise PatchingError(f"confidence must be in (0, 1) (e.g. 0.95), got {confidence!r}")
+
+
+def clean_cache_of(
+    backend: Backend, clean: torch.Tensor, names_filter: NamesFilter | None = None
+) -> Any:
+    """The clean cache the sweeps read on `backend`'s family, for the prompts `clean`.
+
+    `names_filter`: keep only the activations it names (default: every one).
+    """
+    with torch.no_grad():
+        if backend.family == "hf":
+            return run_with_patching_cache(backend.model, clean, names_filter=names_filter)[1]
+        return backend.model.run_with_cache(clean, names_filter=names_filter)[1]
+
+
+def lone_pair_doubled(
+    backend: Backend, clean: torch.Tensor, corrupted: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A lone pair twice on a HuggingFace model with a pad token, else as it is.
+
+    Such a model masks left padding in batches of several prompts only
+    (`default_mask`): a lone pair runs twice, as it would among others.
+    """
+    pad = getattr(backend.tokenizer, "pad_token_id", None)
+    if backend.family == "hf" and pad is not None and clean.shape[0] == 1:
+        return clean.repeat(2, 1), corrupted.repeat(2, 1)
+    return clean, corrupted
+
+
+def _tokens(limits: Any, value: Any, name: str) -> torch.Tensor:
+    tokens = check_tokens(value, limits, name)
     if tokens.dim() != 2 or tokens.shape[0] == 0:
         raise PatchingError(
             f"{name} must be token ids [pairs, pos] with at least one pair, got shape "
             f"{tuple(tokens.shape)}"
         )
-    return tokens.to(backend.device)
+    return tokens
+
+
+def pair_tokens(
+    limits: Any, clean_tokens: Any, corrupted_tokens: Any
+) -> tuple[Int[torch.Tensor, "pairs pos"], Int[torch.Tensor, "pairs pos"]]:
+    """Clean and corrupted token ids checked against `limits` (`d_vocab`, `n_ctx`) and
+    against each other; a `TokenError` or `PatchingError` otherwise."""
+    clean = _tokens(limits, clean_tokens, "clean_tokens")
+    corrupted = _tokens(limits, corrupted_tokens, "corrupted_tokens")
+    if clean.shape != corrupted.shape:
+        raise PatchingError(
+            f"clean_tokens {tuple(clean.shape)} and corrupted_tokens "
+            f"{tuple(corrupted.shape)} must have one shape [pairs, pos]: pair i is row i of "
+            "each"
+        )
+    return clean, corrupted
 
 
 def patch_dataset(
     sweep: Callable[..., torch.Tensor],
-    model: Any,
+    model: SupportedModel,
     clean_tokens: Int[torch.Tensor, "pairs pos"],
     corrupted_tokens: Int[torch.Tensor, "pairs pos"],
     metric: PairMetric,
@@ -187,8 +272,7 @@ def patch_dataset(
       (any function taking `(model, corrupted_tokens, clean_cache, metric, *,
       max_batch, max_bytes, progress)`).
     - `model`: a `HookedTransformer`, a TransformerBridge or a plain HuggingFace
-      causal LM that `sweep` takes (on a HuggingFace model: keys, values, `resid_pre`,
-      `attn_out`, `mlp_out`). Each chunk's clean cache comes from
+      causal LM that `sweep` takes. Each chunk's clean cache comes from
       `model.run_with_cache` (`HookedTransformer`, bridge) or
       [`run_with_patching_cache`][safelens.run_with_patching_cache] (HuggingFace).
     - `clean_tokens`, `corrupted_tokens`: `[pairs, pos]` token ids, one pair per row.
@@ -223,26 +307,12 @@ def patch_dataset(
 
     ```
     """
-    positive_int(n_bootstrap, "n_bootstrap", error=PatchingError)
-    positive_int(max_bytes, "max_bytes", error=PatchingError)
-    flag(progress, "progress", error=PatchingError)
-    if not is_int(seed) or seed < 0:
-        raise PatchingError(f"seed must be a non-negative int, got {described(seed)}")
-    if isinstance(confidence, bool) or not isinstance(confidence, float | int):
-        raise PatchingError(f"confidence must be a float in (0, 1), got {confidence!r}")
-    if not 0 < confidence < 1:
-        raise PatchingError(f"confidence must be in (0, 1) (e.g. 0.95), got {confidence!r}")
+    check_options(n_bootstrap, confidence, seed, max_bytes, progress)
     backend = _backend(model)
-    clean = _tokens(backend, clean_tokens, "clean_tokens")
-    corrupted = _tokens(backend, corrupted_tokens, "corrupted_tokens")
-    if clean.shape != corrupted.shape:
-        raise PatchingError(
-            f"clean_tokens {tuple(clean.shape)} and corrupted_tokens "
-            f"{tuple(corrupted.shape)} must have one shape [pairs, pos]: pair i is row i of "
-            "each"
-        )
+    clean, corrupted = pair_tokens(token_limits(backend), clean_tokens, corrupted_tokens)
+    clean, corrupted = clean.to(backend.device), corrupted.to(backend.device)
     pairs, length = clean.shape
-    chunk = max(1, min(pairs, max_bytes // _pair_bytes(backend, length)))
+    chunk = pairs_per_chunk(backend, pairs, length, max_bytes)
     per_chunk: list[torch.Tensor] = []
     with tqdm(total=pairs, disable=not progress, desc="pairs") as bar:
         for start in range(0, pairs, chunk):
@@ -268,17 +338,10 @@ def _chunk(
     max_bytes: int,
 ) -> Float[torch.Tensor, "pairs ..."]:
     """Per-pair values `[len(rows), *grid]` of the sweep over one chunk of pairs."""
-    pad = getattr(backend.tokenizer, "pad_token_id", None)
-    if backend.family == "hf" and pad is not None and rows.numel() == 1:
-        # A HuggingFace model masks left padding in batches of several prompts only
-        # (`default_mask`): a lone pair runs twice, as it would among others.
-        clean, corrupted = clean.repeat(2, 1), corrupted.repeat(2, 1)
+    clean, corrupted = lone_pair_doubled(backend, clean, corrupted)
     batch = clean.shape[0]
+    clean_cache = clean_cache_of(backend, clean, _needed(sweep))
     with torch.no_grad():
-        if backend.family == "hf":
-            _, clean_cache = run_with_patching_cache(backend.model, clean)
-        else:
-            _, clean_cache = backend.model.run_with_cache(clean)
         numbered = _RunNumbers(metric, rows.repeat(batch // rows.numel()), 1)
         grid = sweep(
             backend.model,

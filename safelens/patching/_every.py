@@ -19,11 +19,11 @@ n_kv_heads`), not query head `g`. With `cfg.ungroup_grouped_query_attention=True
 padded.
 
 Models: every sweep dispatches on the model itself, so a bundle takes what its sweeps
-take. A `HookedTransformer` and a TransformerBridge run all three bundles; a plain
-HuggingFace causal LM runs `get_act_patch_block_every` (its decoder layers' inputs,
-attention and MLP outputs, see `safelens.patching._hf_sites`) and is refused the head
-bundles, whose q, z and pattern sweeps have no hook point there. What differs on a
-bridge: the k row patches keys after the rotary embedding (at every position the same
+take. A `HookedTransformer`, a TransformerBridge and a plain HuggingFace causal LM run
+all three bundles (on a HuggingFace model at the sites of `safelens.patching._hf_sites`;
+queries, keys and patterns as the attention function sees them). What differs on a
+bridge or HuggingFace model: the k and q rows patch keys and queries after the rotary
+embedding (at every position the same
 patch as TransformerLens' `attn.hook_k`), the pattern row is refused on a bridge whose
 attention does not use `hook_pattern` (see `safelens.patching._patterns`), and the
 clean cache is `bridge.run_with_cache`'s; on a HuggingFace model it is
@@ -42,6 +42,7 @@ import torch
 from jaxtyping import Float, Int
 
 from ..backends._backend import backend_of
+from ..backends._supported import SupportedModel
 from ..core._errors import PatchingError
 from ._hf_sites import TL_NAMES, _tokens, clean_activation, site_of
 from ._hf_sweeps import is_seam_model
@@ -174,7 +175,7 @@ def _pattern_by_dest_pos(*args: Any, **kwargs: Any) -> Float[torch.Tensor, "laye
 
 
 def get_act_patch_block_every(
-    model: torch.nn.Module,
+    model: SupportedModel,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: Any,
     metric: Metric,
@@ -242,7 +243,7 @@ def get_act_patch_block_every(
 
 
 def get_act_patch_attn_head_all_pos_every(
-    model: torch.nn.Module,
+    model: SupportedModel,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: Any,
     metric: Metric,
@@ -259,11 +260,11 @@ def get_act_patch_attn_head_all_pos_every(
 
     **Arguments:**
 
-    - `model`: a `HookedTransformer` or a TransformerBridge (a plain HuggingFace
-      causal LM has no hook point for q, z or the pattern and is refused).
+    - `model`: a `HookedTransformer`, a TransformerBridge or a HuggingFace causal LM.
     - `corrupted_tokens`: `[batch, pos]` tokens of the corrupted run.
-    - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`), same
-      `pos`.
+    - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`; on a
+      HuggingFace model, [`run_with_patching_cache`][safelens.run_with_patching_cache]'s
+      dict), same `pos`.
     - `metric`: logits `[runs * batch, pos, d_vocab]` to `[runs]` (fast), or
       TransformerLens-style logits of one run to a scalar.
     - `max_batch`, `max_bytes`, `progress`: as in each sweep (one progress bar per sweep).
@@ -274,9 +275,10 @@ def get_act_patch_attn_head_all_pos_every(
     padding; see the module notes).
 
     **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
-    token ids of this model; [`PatchingError`][safelens.PatchingError] for a plain
-    HuggingFace model, a bridge whose attention does not use `hook_pattern` (see
-    `safelens.patching._patterns`), a clean cache missing an activation or of another
+    token ids of this model; [`PatchingError`][safelens.PatchingError] for a family
+    without one of the sites (the "Patching sites" page says which), a bridge whose
+    attention does not use `hook_pattern` (found by one probe pass), a clean cache
+    missing an activation or of another
     length, a model, metric result or limit that does not fit, naming it; the model
     and the clean cache are checked before any sweep runs.
 
@@ -312,7 +314,7 @@ def get_act_patch_attn_head_all_pos_every(
 
 
 def get_act_patch_attn_head_by_pos_every(
-    model: torch.nn.Module,
+    model: SupportedModel,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: Any,
     metric: Metric,
@@ -331,11 +333,11 @@ def get_act_patch_attn_head_by_pos_every(
 
     **Arguments:**
 
-    - `model`: a `HookedTransformer` or a TransformerBridge (a plain HuggingFace
-      causal LM has no hook point for q, z or the pattern and is refused).
+    - `model`: a `HookedTransformer`, a TransformerBridge or a HuggingFace causal LM.
     - `corrupted_tokens`: `[batch, pos]` tokens of the corrupted run.
-    - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`), same
-      `pos`.
+    - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`; on a
+      HuggingFace model, [`run_with_patching_cache`][safelens.run_with_patching_cache]'s
+      dict), same `pos`.
     - `metric`: logits `[runs * batch, pos, d_vocab]` to `[runs]` (fast), or
       TransformerLens-style logits of one run to a scalar.
     - `max_batch`, `max_bytes`, `progress`: as in each sweep (one progress bar per sweep).
@@ -346,9 +348,10 @@ def get_act_patch_attn_head_by_pos_every(
     `n_heads` (TransformerLens' padding; see the module notes).
 
     **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
-    token ids of this model; [`PatchingError`][safelens.PatchingError] for a plain
-    HuggingFace model, a bridge whose attention does not use `hook_pattern` (see
-    `safelens.patching._patterns`), a clean cache missing an activation or of another
+    token ids of this model; [`PatchingError`][safelens.PatchingError] for a family
+    without one of the sites (the "Patching sites" page says which), a bridge whose
+    attention does not use `hook_pattern` (found by one probe pass), a clean cache
+    missing an activation or of another
     length, a model, metric result or limit that does not fit, naming it; the model
     and the clean cache are checked before any sweep runs.
 

@@ -1,33 +1,38 @@
-"""`generic_activation_patch` on a TransformerBridge: any setter, many runs per pass.
+"""`generic_activation_patch` on a TransformerBridge or a HuggingFace model: any setter, many runs per pass.
 
 TransformerLens' `generic_activation_patch` runs one forward per index, with the hook
 `get_act_name(activation_name, layer)` calling `patch_setter(corrupted_activation,
-index, clean_activation)`. On a TransformerBridge safelens runs the same hooks on the
-bridge's own hook points (so a setter sees what it sees under TransformerLens, keys
-before the rotary embedding included), many indices per pass through
+index, clean_activation)`. safelens runs the same setter many indices per pass through
 `safelens.patching._hf_sweeps`: each index's run holds `batch` rows of the pass, its
 setter gets those rows, and every run starts at the layer of its index (the corrupted
 run's residual stream entering it). A setter may change any position, so every run
 runs every position; a metric that reads only the last position still gets that
 position alone.
 
-Caveat: `activation_name` must name a hook point inside every block
-(`blocks.{layer}.…`); a plain HuggingFace model, whose modules carry no TransformerLens
-hook points, is refused (its `get_act_patch_*` sweeps cover keys, values, the residual
-stream and the attention and MLP outputs).
+On a TransformerBridge the setter runs on the bridge's own hook points (so it sees what
+it sees under TransformerLens, keys before the rotary embedding included);
+`activation_name` must name a hook point inside every block (`blocks.{layer}.…`). On a
+plain HuggingFace model it runs at the site of `safelens.patching._hf_sites` for the
+activation `get_act_name` names (`q`, `k`, `v`, `z`, `pattern`, `attn_scores`,
+`resid_pre`, `resid_mid`, `resid_post`, `attn_out`, `mlp_out`), with the clean
+activation from [`run_with_patching_cache`][safelens.run_with_patching_cache]; both
+tensors the setter gets are in TransformerLens' layout (`[batch, pos, heads, d_head]`
+for q, k, v and z; `[batch, n_heads, dest_pos, src_pos]` for patterns and scores), keys
+and queries after the rotary embedding, as the sites hold them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pandas as pd
 import torch
 
-from ..backends._backend import backend_of
+from ..backends._backend import Backend, backend_of
 from ..core._errors import PatchingError
-from ._hf_sites import Site, _tokens
+from ._hf_sites import TL_NAMES, Site, _tokens, clean_activation, site_of
 from ._hf_sweeps import Editor, Run, run_sweep
 from ._index import check_index_choice, check_setter_result, index_grid
 from ._limits import _check_limits
@@ -51,30 +56,21 @@ def seam_generic(
     max_bytes: int,
     progress: bool,
 ) -> tuple[torch.Tensor, pd.DataFrame]:
-    """`generic_activation_patch` on a TransformerBridge (module notes): result and index rows."""
-    from transformer_lens.utilities import get_act_name
-
+    """`generic_activation_patch` on a bridge or HuggingFace model (module notes): result and index rows."""
     backend = backend_of(model, "generic_activation_patch")
-    if backend.family != "bridge":
-        raise PatchingError(
-            f"generic_activation_patch needs a HookedTransformer or a TransformerBridge, got "
-            f"{type(model).__name__}, whose modules have no TransformerLens hook points; use "
-            "the get_act_patch_* sweeps (k, v, resid_pre, attn_out, mlp_out), or wrap the "
-            "model in a TransformerBridge"
-        )
     _check_limits(max_batch, max_bytes, progress)
     check_index_choice(index_axis_names, index_df)
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
     batch, length = tokens.shape
-    names = [get_act_name(activation_name, layer) for layer in range(backend.n_layers)]
-    for layer, name in enumerate(names):
-        if not name.startswith(f"blocks.{layer}.") or name not in model.hook_dict:
-            raise PatchingError(
-                f"activation_name {activation_name!r} names {name!r}, not a hook point inside "
-                f"block {layer} of this bridge; name an activation of every block, as "
-                "get_act_name spells it (e.g. 'resid_pre', 'attn_out', 'z', 'k')"
-            )
-    clean = [_clean(clean_cache, name, batch) for name in names]
+    if backend.family == "bridge":
+        site, clean = _bridge_site(model, activation_name, clean_cache, batch)
+    else:
+        site, clean = _hf_site(backend, activation_name, clean_cache, batch, length)
+    names = [site.clean(layer) for layer in range(backend.n_layers)]
+    # TransformerLens' layout: head-major hook tensors (keys, values and queries at a
+    # HuggingFace model's seams) are handed to the setter position-major.
+    position_major = site.pos_axis == 2 and site.activation not in ("pattern", "attn_scores")
+    clean = [tensor.transpose(1, 2) if position_major else tensor for tensor in clean]
     # A head index counts key/value heads for keys and values (`[batch, pos, heads,
     # d_head]`), query heads otherwise, as on a HookedTransformer.
     n_heads = backend.config.num_attention_heads  # type: ignore[attr-defined]
@@ -84,10 +80,10 @@ def seam_generic(
     index_df, shape = index_grid(sizes, index_axis_names, index_df)
     indices = [[int(i) for i in row] for row in index_df.itertuples(index=False)]
     runs: list[Run] = [(slot, index[0], None, None, None) for slot, index in enumerate(indices)]
-    site = Site("generic", names.__getitem__, names.__getitem__, 1, 2, 0)
 
     def editor(layer: int, at: list[tuple[int, Any]]) -> Callable[[torch.Tensor], torch.Tensor]:
-        def edit(tensor: torch.Tensor) -> torch.Tensor:
+        def edit(hooked: torch.Tensor) -> torch.Tensor:
+            tensor = hooked.transpose(1, 2) if position_major else hooked
             if clean[layer].shape[1:] != tensor.shape[1:]:
                 raise PatchingError(
                     f"clean_cache[{names[layer]!r}] has shape {tuple(clean[layer].shape)}; the "
@@ -102,7 +98,7 @@ def seam_generic(
                 check_setter_result(patched, rows, index)
                 if patched is not rows:
                     rows.copy_(patched)
-            return tensor
+            return hooked
 
         return edit
 
@@ -121,6 +117,46 @@ def seam_generic(
         editing,
     )
     return result, index_df
+
+
+def _bridge_site(
+    model: Any, activation_name: str, clean_cache: Any, batch: int
+) -> tuple[Site, list[torch.Tensor]]:
+    """The bridge's hook point of `activation_name` in every block, and its clean tensors."""
+    from transformer_lens.utilities import get_act_name
+
+    names = [get_act_name(activation_name, layer) for layer in range(len(model.blocks))]
+    for layer, name in enumerate(names):
+        if not name.startswith(f"blocks.{layer}.") or name not in model.hook_dict:
+            raise PatchingError(
+                f"activation_name {activation_name!r} names {name!r}, not a hook point inside "
+                f"block {layer} of this bridge; name an activation of every block, as "
+                "get_act_name spells it (e.g. 'resid_pre', 'attn_out', 'z', 'k')"
+            )
+    site = Site("generic", names.__getitem__, names.__getitem__, 1, 2, 0)
+    return site, [_clean(clean_cache, name, batch) for name in names]
+
+
+def _hf_site(
+    backend: Backend, activation_name: str, clean_cache: Any, batch: int, length: int
+) -> tuple[Site, list[torch.Tensor]]:
+    """The site of `activation_name` on a HuggingFace model, and its clean tensors (hook layout)."""
+    from transformer_lens.utilities import get_act_name
+
+    name = get_act_name(activation_name, 0)
+    activation = next((key for key, tl in TL_NAMES.items() if name == f"blocks.0.{tl}"), None)
+    if activation is None:
+        raise PatchingError(
+            f"activation_name {activation_name!r} names {name!r}, which safelens does not "
+            "patch on a HuggingFace model; name one of "
+            f"{', '.join(sorted(TL_NAMES))}, as get_act_name spells them"
+        )
+    site = site_of(backend, activation, clean_cache)
+    clean = [
+        clean_activation(backend, site, clean_cache, layer, batch, length)
+        for layer in range(backend.n_layers)
+    ]
+    return dataclasses.replace(site, full=None), clean
 
 
 def _clean(clean_cache: Any, name: str, batch: int) -> torch.Tensor:

@@ -123,13 +123,15 @@ def _chunked(own: Any, *args: Any, **kwargs: Any) -> Any:
 class Lean:
     """Which of the replacements (module notes) a model's passes can take."""
 
-    def __init__(self, layers: Iterable[torch.nn.Module], device: torch.device) -> None:
+    def __init__(self, layers: Iterable[torch.nn.Module]) -> None:
         self.layers = list(layers)
         mlps = [getattr(layer, "mlp", None) for layer in self.layers]
         self.mlps: list[torch.nn.Module] = [
             mlp for mlp in mlps if isinstance(mlp, torch.nn.Module) and _position_wise(mlp)
         ]
-        if device.type != "cpu" or len(self.mlps) < len(mlps):
+        # Chunks pay on a CPU only: every MLP's weights there (none on a GPU, none offloaded).
+        on_cpu = all(p.device.type == "cpu" for mlp in self.mlps for p in mlp.parameters())
+        if not on_cpu or len(self.mlps) < len(mlps):
             self.mlps = []
         attention = _attention(self.layers[-1])
         last = [getattr(attention, name, None) for name in ("q_proj", "o_proj")]

@@ -195,7 +195,7 @@ class Shortcuts:
         mlp = getattr(layers[-1], "mlp", None)
         trim_mlp = activation in _BEFORE_MLP and isinstance(mlp, torch.nn.Module)
         # A plain HuggingFace model's own modules (not a bridge's, with hook points inside).
-        lean = Lean(layers, backend.device) if partial and backend.family == "hf" else None
+        lean = Lean(layers) if partial and backend.family == "hf" else None
         # Most shortcuts first; the pass replacements need none of the others.
         candidates = [
             (skips, trims, lean),

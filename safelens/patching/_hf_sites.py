@@ -9,16 +9,27 @@ are the same patch, because the rotation of a position is a fixed linear map of 
 position's key (the clean and the corrupted run give a position the same rotary angle:
 prompts of one length, positions counted alike).
 
-| `activation` | TransformerBridge: hook (clean cache name) | HuggingFace model: hook (clean cache name) |
+| `activation` | TransformerBridge: hook (clean cache name) | HuggingFace model: where it is patched (clean cache name) |
 | --- | --- | --- |
 | `k` | `blocks.{l}.kv_cache.hook_k_new` (`blocks.{l}.attn.hook_rot_k`; `attn.hook_k` without rotary) | `model.layers.{l}.kv_cache.hook_k_new` (the same) |
 | `v` | `blocks.{l}.kv_cache.hook_v_new` (`blocks.{l}.attn.hook_v`) | `model.layers.{l}.kv_cache.hook_v_new` (the same) |
-| `q`, `z` | `blocks.{l}.attn.hook_q`, `hook_z` | none: HuggingFace attention computes them inside one call |
-| `pattern` | `blocks.{l}.attn.hook_pattern` `[batch, n_heads, dest_pos, src_pos]` | none, as for `q` and `z` |
+| `q` | `blocks.{l}.attn.hook_q` | the query the attention function gets, `[batch, n_heads, pos, d_head]`, after the rotary embedding (`blocks.{l}.attn.hook_q`, stored `[batch, pos, n_heads, d_head]`) |
+| `z` | `blocks.{l}.attn.hook_z` | the output projection's input as `[batch, pos, n_heads, d_head]` (`blocks.{l}.attn.hook_z`) |
+| `pattern` | `blocks.{l}.attn.hook_pattern` `[batch, n_heads, dest_pos, src_pos]` | the softmax inside the attention function, computed eagerly (`blocks.{l}.attn.hook_pattern`, the same layout) |
+| `attn_scores` | `blocks.{l}.attn.hook_attn_scores` | the scores the softmax takes: scaled, soft-capped, masked (`blocks.{l}.attn.hook_attn_scores`, the same layout) |
 | `resid_pre` | `blocks.{l}.hook_resid_pre` | the decoder layer's input (`blocks.{l}.hook_resid_pre`) |
-| `resid_mid` | `blocks.{l}.hook_resid_mid` | none |
+| `resid_mid` | `blocks.{l}.hook_resid_mid` | the input of the norm before the MLP, edited in place (`blocks.{l}.hook_resid_mid`); none in parallel-attention families |
+| `resid_post` | `blocks.{l}.hook_resid_post` | the decoder layer's output (`blocks.{l}.hook_resid_post`) |
 | `attn_out` | `blocks.{l}.hook_attn_out` | the attention module's output (`blocks.{l}.hook_attn_out`) |
 | `mlp_out` | `blocks.{l}.hook_mlp_out` | the MLP module's output (`blocks.{l}.hook_mlp_out`) |
+
+On a HuggingFace model the seams of `q`, `z`, `pattern`, `attn_scores`, `resid_pre` and
+`resid_mid` are `safelens.backends.hf._seams`' (a `Site` whose `hook` gives `None`,
+edited by [`site_edits`][safelens.patching._hf_sites.site_edits]); queries are patched
+after the rotary embedding, as keys are, which at one position is the same patch as
+TransformerLens' `attn.hook_q` before it. Query-head sites (`q`, `z`, `pattern`,
+`attn_scores`) have `n_heads` heads, key/value sites `n_kv_heads`. The docs' table
+"Patching sites" (`docs/concepts/sites.md`) says what each holds per family.
 
 `clean_activation` checks a site's clean tensor against the prompt; `put` writes clean
 values into the tensor a patched pass's hook sees.
@@ -34,7 +45,6 @@ any norm a family applies on the way back into the residual stream (Gemma-2's
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,18 +54,27 @@ from typing import Any
 import torch
 
 from ..backends._backend import Backend, NamesFilter, backend_of
+from ..backends.hf._seams import (
+    ATTENTION_MODULES,
+    SEAMS,
+    Edit,
+    child_named,
+    seam_edits,
+    seam_modules,
+)
 from ..core._errors import PatchingError
 from ..core._tokens import check_tokens
 
 __all__ = [
     "ATTENTION_MODULES",
+    "SEAMS",
     "TL_NAMES",
-    "TL_NAMES_ON_HF",
     "Site",
     "child_named",
     "clean_activation",
     "put",
     "run_with_patching_cache",
+    "site_edits",
     "site_of",
 ]
 
@@ -70,12 +89,9 @@ TL_NAMES = {
     "v": "attn.hook_v",
     "z": "attn.hook_z",
     "pattern": "attn.hook_pattern",
+    "attn_scores": "attn.hook_attn_scores",
+    "resid_post": "hook_resid_post",
 }
-# What a plain HuggingFace model can be patched at (the others need a bridge).
-TL_NAMES_ON_HF = frozenset({"resid_pre", "attn_out", "mlp_out", "k", "v"})
-# A decoder layer's attention module, by the names families give it (Llama and most:
-# `self_attn`; GPT-2, GPT-J: `attn`; Falcon, BLOOM: `self_attention`; GPT-NeoX: `attention`).
-ATTENTION_MODULES = ("self_attn", "attn", "self_attention", "attention")
 _MODULES = {"attn_out": ATTENTION_MODULES, "mlp_out": ("mlp",)}
 
 
@@ -83,8 +99,8 @@ _MODULES = {"attn_out": ATTENTION_MODULES, "mlp_out": ("mlp",)}
 class Site:
     """One activation of every layer: what a patched pass edits and where its clean tensor is.
 
-    `hook(layer)` names the hook (a bridge, cache or module name; `None` for the
-    decoder layer's input, patched by `residual_input`); `clean(layer)` the clean
+    `hook(layer)` names the hook (a bridge, cache or module name; `None` for a seam of
+    a HuggingFace model, `SEAMS`, edited by `site_edits`); `clean(layer)` the clean
     cache's key; the hook's tensor and the clean tensor are laid out alike, positions
     on `pos_axis` (a pattern's destination positions; its source positions follow),
     heads (if any) on `head_axis`, except that a clean tensor that is position-major
@@ -115,11 +131,23 @@ def _decoder_layers(model: Any, n_layers: int) -> tuple[str, torch.nn.ModuleList
     )
 
 
-def child_named(layer: torch.nn.Module, names: tuple[str, ...]) -> str | None:
-    """The first of `names` that is a module of decoder layer `layer`, or `None`."""
-    return next(
-        (name for name in names if isinstance(getattr(layer, name, None), torch.nn.Module)), None
-    )
+def decoder_layer(backend: Backend, layer: int) -> torch.nn.Module:
+    """Decoder layer `layer` of a HuggingFace causal LM (or a bridge's plain model)."""
+    return _decoder_layers(backend.model, backend.n_layers)[1][layer]
+
+
+def layer_device(backend: Backend, layer: int) -> torch.device:
+    """The device decoder layer `layer` computes on: its parameters', or accelerate's.
+
+    A model dispatched with a `device_map` (accelerate) runs each layer on its hook's
+    `execution_device`, also when its weights are offloaded (on `meta` until used).
+    """
+    module = decoder_layer(backend, layer)
+    execution = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if execution is not None:
+        return torch.device(execution)
+    weight = next(module.parameters(), None)
+    return backend.device if weight is None else weight.device
 
 
 def _module_name(backend: Backend, activation: str, layer: int) -> str:
@@ -173,9 +201,9 @@ def site_of(backend: Backend, activation: str, clean_cache: Any = None) -> Site:
             return f"blocks.{layer}.{name}"
 
         return Site(activation, cache_name, clean, 2, 1, backend.n_kv_heads, True, full=full_name)
-    heads = n_heads if activation in ("q", "z", "pattern") else 0
+    heads = n_heads if activation in _QUERY_HEADS else 0
     if backend.family == "bridge":
-        if activation == "pattern":  # [batch, n_heads, dest_pos, src_pos]
+        if activation in _PATTERNS:  # [batch, n_heads, dest_pos, src_pos]
             return Site(activation, tl_name, tl_name, 2, 1, heads)
         return Site(activation, tl_name, tl_name, 1, 2, heads)
     if activation in _MODULES:
@@ -183,15 +211,45 @@ def site_of(backend: Backend, activation: str, clean_cache: Any = None) -> Site:
         return Site(
             activation, lambda layer: _module_name(backend, activation, layer), tl_name, 1, 2, 0
         )
-    if activation == "resid_pre":
-        return Site(activation, lambda layer: None, tl_name, 1, 2, 0)
-    raise PatchingError(
-        f"activation {activation!r} has no hook point on a plain HuggingFace model (its "
-        "attention computes queries, patterns and head outputs inside one call, and no "
-        "residual stream sits between attention and MLP); sweep k, v, resid_pre, attn_out "
-        "or mlp_out, or wrap the model in a TransformerLens TransformerBridge, whose hook "
-        "points cover q, z, pattern and resid_mid"
-    )
+    if activation == "resid_post":
+        prefix, _ = _decoder_layers(backend.model, backend.n_layers)
+        return Site(activation, lambda layer: f"{prefix}.{layer}", tl_name, 1, 2, 0)
+    _seam_modules(backend, activation)  # a family without the seam: say why first
+    if activation == "q":  # hook head-major, clean position-major as TransformerLens'
+        return Site(activation, _no_hook, tl_name, 2, 1, heads, transposed=True)
+    if activation in _PATTERNS:
+        return Site(activation, _no_hook, tl_name, 2, 1, heads)
+    return Site(activation, _no_hook, tl_name, 1, 2, heads)
+
+
+# Sites whose heads are the query heads, and sites laid out as attention patterns.
+_QUERY_HEADS = frozenset({"q", "z", "pattern", "attn_scores"})
+_PATTERNS = frozenset({"pattern", "attn_scores"})
+
+
+def _no_hook(layer: int) -> None:
+    return None
+
+
+def _seam_modules(backend: Backend, activation: str) -> list[torch.nn.Module]:
+    """The module of every layer where `activation` (one of `SEAMS`) is edited."""
+    _, layers = _decoder_layers(backend.model, backend.n_layers)
+    return seam_modules(layers, backend.config, activation)  # type: ignore[attr-defined]
+
+
+@contextmanager
+def site_edits(backend: Backend, edits: Mapping[str, Mapping[int, Edit]]) -> Iterator[None]:
+    """Within the block, `edits[activation][layer]` sees (and may edit) that seam's tensor.
+
+    For a HuggingFace model's `SEAMS`, in the hook layout of `site_of`'s `Site`
+    ([`seam_edits`][safelens.backends.hf._seams.seam_edits]).
+    """
+    if not any(edits.values()):
+        yield
+        return
+    _, layers = _decoder_layers(backend.model, backend.n_layers)
+    with seam_edits(layers, backend.config, edits):  # type: ignore[attr-defined]
+        yield
 
 
 def _has(cache: Any, name: str) -> bool:
@@ -228,10 +286,10 @@ def clean_activation(
     if site.transposed:
         clean = clean.transpose(1, 2)
     expected: tuple[int, ...]
-    if site.activation == "pattern":
+    if site.activation in _PATTERNS:
         expected = (site.heads, length, length)
     elif site.pos_axis == 2:
-        expected = (backend.n_kv_heads, length, backend.d_head)
+        expected = (site.heads, length, backend.d_head)
     elif site.heads:
         expected = (length, site.heads, backend.d_head)
     else:
@@ -246,7 +304,7 @@ def clean_activation(
             f"1, {', '.join(map(str, expected))}] to match corrupted_tokens {(batch, length)}. "
             "Clean and corrupted prompts must have the same length"
         )
-    return clean.to(backend.device).expand(batch, *expected)
+    return clean.to(layer_device(backend, layer)).expand(batch, *expected)
 
 
 def put(
@@ -256,7 +314,11 @@ def put(
     index: tuple[torch.Tensor, ...],
     start: int,
 ) -> torch.Tensor:
-    """Write the clean values at `index` = (rows, clean rows, pos, head, source pos) into `tensor` (positions `start:`)."""
+    """Write the clean values at `index` = (rows, clean rows, pos, head, source pos) into `tensor` (positions `start:`).
+
+    `clean` is on its layer's device; `tensor` too, except a layer's input, which a
+    `device_map` model hands on from the previous layer's device (accelerate moves it).
+    """
     rows, clean_rows, pos, head, src = index
     target: list[Any] = [slice(None)] * tensor.dim()
     source: list[Any] = [slice(None)] * clean.dim()
@@ -271,73 +333,48 @@ def put(
         target[site.pos_axis + 1], source[site.pos_axis + 1] = src, src
     # In place, as TransformerLens' setters: a bridge alias such as `hook_resid_mid`
     # (`ln2.hook_in`) ignores what its hook returns. Cast, as their slice assignment does.
-    tensor[tuple(target)] = clean[tuple(source)].to(tensor.dtype)
+    values = clean[_on(source, clean.device)].to(tensor.device, tensor.dtype)
+    tensor[_on(target, tensor.device)] = values
     return tensor
 
 
-@contextmanager
-def residual_input(
-    backend: Backend, hooks: Mapping[int, Callable[[torch.Tensor], torch.Tensor | None]]
-) -> Iterator[None]:
-    """Within the block, `hooks[layer](hidden_states)` sees (and may replace) layer `layer`'s input.
-
-    Plain PyTorch forward pre-hooks that act in the calling thread's passes only,
-    removed by their handles on exit (also on error).
-    """
-    if not hooks:
-        yield
-        return
-    _, layers = _decoder_layers(backend.model, backend.n_layers)
-    me = threading.get_ident()
-
-    def pre_hook(edit: Callable[[torch.Tensor], torch.Tensor | None]) -> Any:
-        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
-            # No `kwargs`: half-registered, in another thread's pass (`core._thread_hooks`).
-            if threading.get_ident() != me or kwargs is None:
-                return None
-            hidden = args[0] if args else kwargs["hidden_states"]
-            result = edit(hidden)
-            if result is None:
-                return None
-            if args:
-                return (result, *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": result}
-
-        return hook
-
-    handles = [
-        layers[layer].register_forward_pre_hook(pre_hook(edit), with_kwargs=True)
-        for layer, edit in hooks.items()
-    ]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+def _on(index: list[Any], device: torch.device) -> tuple[Any, ...]:
+    """`index` with its tensors on `device` (no copy when they are there already)."""
+    return tuple(part.to(device) if isinstance(part, torch.Tensor) else part for part in index)
 
 
 def run_with_patching_cache(
-    model: Any, tokens: torch.Tensor
+    model: Any, tokens: torch.Tensor, *, names_filter: NamesFilter | None = None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Run a HuggingFace causal LM once; return its logits and the clean cache of the sweeps.
 
     `run_with_cache`'s counterpart for plain HuggingFace models, whose modules carry no
-    TransformerLens hook points: the dict holds, per layer `l`, everything the patching
-    sweeps patch on such a model: `blocks.{l}.hook_resid_pre`, `blocks.{l}.hook_attn_out`
-    and `blocks.{l}.hook_mlp_out` `[batch, pos, d_model]`, and the cache's
+    TransformerLens hook points: the dict holds, per layer `l`, every activation the
+    patching sweeps patch on such a model (the module notes' table), under
+    TransformerLens' names: `blocks.{l}.hook_resid_pre`, `hook_resid_mid`,
+    `hook_resid_post`, `hook_attn_out` and `hook_mlp_out` `[batch, pos, d_model]`;
+    `blocks.{l}.attn.hook_q` and `hook_z` `[batch, pos, n_heads, d_head]` (queries after
+    the rotary embedding); `blocks.{l}.attn.hook_pattern` and `hook_attn_scores`
+    `[batch, n_heads, dest_pos, src_pos]`; and the cache's
     `model.layers.{l}.kv_cache.hook_k_new` / `hook_v_new` `[batch, n_kv_heads, pos,
-    d_head]` (keys after the rotary embedding). A family whose decoder layer has no
-    attention module (by one of the names of `ATTENTION_MODULES`) or no `mlp` module
-    (OPT computes its MLP in the layer itself) has no `hook_attn_out` or `hook_mlp_out`
-    entries; the sweeps of those sites refuse it. Positions and padding as the sweeps
-    use them: the attention mask from the model's tokenizer (`model.tokenizer`, left
-    padding) when it has one, else every position.
+    d_head]` (keys after the rotary embedding). A family without a site (no `mlp`
+    module, as OPT; no residual stream between attention and MLP, as GPT-J) has no
+    entries for it; the sweeps of that site say why. Positions and padding as the
+    sweeps use them: the attention mask from the model's tokenizer (`model.tokenizer`,
+    left padding) when it has one, else every position.
+
+    Caveat: patterns and scores are `[batch, n_heads, pos, pos]` per layer, and while
+    either is kept every layer's attention is computed eagerly (the logits then differ
+    from the model's own attention by float rounding); `names_filter` keeps only what a
+    sweep needs.
 
     **Arguments:**
 
     - `model`: a HuggingFace causal LM (on a TransformerBridge, use its own
       `run_with_cache`).
     - `tokens`: `[batch, pos]` token ids of the clean prompts.
+    - `names_filter`: which names to keep, as in `run_with_cache`: a name, a list of
+      names, or a function `fn(name) -> bool`; `None` keeps every one.
 
     **Returns:** `(logits, cache)`: logits `[batch, pos, d_vocab]`, and the dict above.
 
@@ -351,6 +388,8 @@ def run_with_patching_cache(
     >>> logits, clean_cache = run_with_patching_cache(model, torch.tensor([[1, 2, 3]]))
     >>> clean_cache["model.layers.1.kv_cache.hook_k_new"].shape
     torch.Size([1, 2, 3, 4])
+    >>> clean_cache["blocks.0.attn.hook_pattern"].shape
+    torch.Size([1, 4, 3, 3])
 
     ```
     """
@@ -362,29 +401,52 @@ def run_with_patching_cache(
             "bridge.run_with_cache(clean_tokens)[1]"
         )
     tokens = _tokens(backend, tokens, "tokens")
+    wanted = _names_filter(names_filter)
     captured: dict[str, torch.Tensor] = {}
 
-    def keep(name: str) -> Callable[..., None]:
+    def keep(name: str, transposed: bool) -> Callable[..., None]:
         def hook(tensor: torch.Tensor, hook: Any = None) -> None:
-            captured[name] = tensor.detach().clone()
+            captured[name] = (tensor.transpose(1, 2) if transposed else tensor).detach().clone()
 
         return hook
 
     pairs: list[tuple[NamesFilter, Callable[..., None]]] = []
-    for activation in ("k", "v", "attn_out", "mlp_out"):
+    seams: dict[str, dict[int, Edit]] = {}
+    for activation in TL_NAMES:
         try:
             site = site_of(backend, activation)
-            hooks = [str(site.hook(layer)) for layer in range(backend.n_layers)]
-        except PatchingError:  # a family without such a module (OPT's MLP is the layer's)
+            hooks = [site.hook(layer) for layer in range(backend.n_layers)]
+        except PatchingError:  # a family without the site: its sweep says so when asked
             if activation in ("k", "v"):
                 raise
-            continue  # its sweep says so when asked for
-        pairs += [(hook, keep(site.clean(layer))) for layer, hook in enumerate(hooks)]
-    inputs = {layer: keep(f"blocks.{layer}.hook_resid_pre") for layer in range(backend.n_layers)}
+            continue
+        for layer, hook in enumerate(hooks):
+            name = site.clean(layer)
+            if not wanted(name):
+                continue
+            if hook is None:
+                seams.setdefault(activation, {})[layer] = keep(name, site.transposed)
+            else:
+                pairs.append((hook, keep(name, site.transposed)))
     cache = backend.empty_cache(tokens.shape[0])
-    with torch.no_grad(), residual_input(backend, inputs), backend.pass_hooks(cache, pairs):
+    with torch.no_grad(), site_edits(backend, seams), backend.pass_hooks(cache, pairs):
         logits = backend.forward(tokens, backend.default_mask(tokens), cache)
     return logits, captured
+
+
+def _names_filter(names: NamesFilter | None) -> Callable[[str], bool]:
+    """`names_filter` as a predicate, or a `PatchingError` for one of another kind."""
+    if names is None:
+        return lambda name: True
+    if callable(names):
+        return names
+    listed = {names} if isinstance(names, str) else set(names)
+    if not all(isinstance(name, str) for name in listed):
+        raise PatchingError(
+            f"names_filter must be a name, a list of names or a function fn(name) -> bool, "
+            f"got {names!r}"
+        )
+    return listed.__contains__
 
 
 def _tokens(backend: Backend, tokens: Any, what: str) -> torch.Tensor:

@@ -47,12 +47,11 @@ from ..core._errors import PatchingError
 from ..core._thread_hooks import hooked_anywhere
 from ._hf_shortcuts import Shortcuts, captured, tolerance
 from ._hf_sites import (
-    TL_NAMES_ON_HF,
     Site,
     _tokens,
     clean_activation,
     put,
-    residual_input,
+    site_edits,
     site_of,
 )
 from ._limits import _check_limits
@@ -63,6 +62,8 @@ __all__ = ["Editor", "Run", "is_seam_model", "run_sweep", "seam_patch"]
 
 # Runs patched at positions `p0 … p0 + span - 1` share one pass that starts at `p0`.
 _SPANS = (1, 2, 4, 8, 16)
+# Sites a bridge's plain HuggingFace model may run for it (`_on_plain_model`).
+_ON_PLAIN_MODEL = frozenset({"resid_pre", "attn_out", "mlp_out", "k", "v"})
 # Activations computed after a layer's keys and values: a patch changes its own position.
 _OWN_POSITION = frozenset({"q", "z", "attn_out", "resid_mid", "mlp_out"})
 # What one pass costs beyond its arithmetic, in multiply-adds: once, and per layer run (a
@@ -198,7 +199,8 @@ def run_sweep(
             runs = [run for run in runs if run[0] not in skipped]
         with tqdm(total=len(runs) + len(idle), disable=not progress, desc="patching") as bar:
             bar.update(len(idle))
-            for first, start, group in _passes(backend, site, shortcuts, runs, length, batch):
+            passes = _passes(backend, site, shortcuts, runs, length, batch, editor is None)
+            for first, start, group in passes:
                 rows = _rows_limit(backend, site.heads or 1, length - start, length, max_bytes)
                 per_pass = max(1, rows // batch)
                 per_pass = min(per_pass, max_batch) if max_batch else per_pass
@@ -250,7 +252,7 @@ def _on_plain_model(run: _Corrupted, tokens: torch.Tensor, mask: torch.Tensor) -
     `attn_out` after a norm outside the module, it does not); else, and where the plain
     model cannot run the pass at all, `run` is returned as it is.
     """
-    if run.site.activation not in TL_NAMES_ON_HF:
+    if run.site.activation not in _ON_PLAIN_MODEL:
         return run
     try:
         backend = run.backend.plain()  # type: ignore[attr-defined]
@@ -301,6 +303,7 @@ def _passes(
     runs: list[Run],
     length: int,
     batch: int,
+    own_patches: bool = True,
 ) -> list[tuple[int, int, list[Run]]]:
     """The sweep's passes `(first layer, first position, runs)`, cheapest by a cost model.
 
@@ -312,11 +315,13 @@ def _passes(
     position alone: a key or value patch changes only what that position reads (patched
     where the cache hands the last layer every position, `Site.full`), and a patch of an
     activation computed after the keys and values (`_OWN_POSITION`) changes only its own
-    position, so one at an earlier position gives the corrupted run's logits.
+    position, so one at an earlier position gives the corrupted run's logits. Not for
+    a generic sweep's runs (`own_patches=False`), whose setter may write any position.
     """
     last = backend.n_layers - 1
     late = (
-        shortcuts.partial
+        own_patches
+        and shortcuts.partial
         and shortcuts.last_only
         and (site.full is not None or site.activation in _OWN_POSITION)
         and (shortcuts.skips or last == 0)
@@ -431,7 +436,7 @@ class _Pass:
         hooked = [(hooks[layer], edit) for layer, edit in edits.items() if hooks[layer] is not None]
         inputs = {layer: edit for layer, edit in edits.items() if hooks[layer] is None}
         fwd_hooks = [(name, _as_hook(edit)) for name, edit in hooked]
-        with shortcuts.taken(first, start, runs), residual_input(backend, inputs):
+        with shortcuts.taken(first, start, runs), site_edits(backend, {site.activation: inputs}):
             with backend.pass_hooks(prefix, fwd_hooks):  # type: ignore[arg-type]
                 # `forward`, not `forward_continuations`: reading the prefix once per layer
                 # (`shared_prefix`) costs more than it saves on a pass of this many rows

@@ -6,7 +6,7 @@ patched run: the limits (`max_batch`, `max_bytes`, `progress`), the model (a
 inside every block of this model, and that `clean_cache` holds it in the corrupted
 run's shape (batch 1 or the corrupted batch). `_Sweep` holds what passed: the tokens on
 the model's device, the corrupted run (`safelens.patching._grid.CorruptedRun`) and each
-layer's clean activation. A generic sweep's index grid (`index_axis_names`, or
+layer's clean activation, on the device of that layer's activation. A generic sweep's index grid (`index_axis_names`, or
 `index_df` checked against the axis sizes) is checked here too, and so is each
 `patch_setter` result as it arrives. Every failure is a `PatchingError` naming the
 input (corrupted tokens that are not token ids: a `TokenError`).
@@ -129,9 +129,11 @@ class _Sweep:
                 f"corrupted_tokens {tuple(self.tokens.shape)}. Clean and corrupted prompts "
                 "must have the same length"
             )
-        # Cast to the activation's dtype, as TransformerLens' setters' assignments do.
-        dtype = self.corrupted.activations[name].dtype
-        return clean.to(self.model.cfg.device, dtype).expand(self.batch, *clean.shape[1:])
+        # Cast to the activation's dtype, as TransformerLens' setters' assignments do, on
+        # its layer's device (`cfg.n_devices > 1` spreads the blocks over devices).
+        activation = self.corrupted.activations[name]
+        clean = clean.to(activation.device, activation.dtype)
+        return clean.expand(self.batch, *clean.shape[1:])
 
     def heads(self) -> int:
         """Heads of a head index: what `hook_k`/`hook_v` hold for keys and values."""

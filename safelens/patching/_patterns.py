@@ -10,8 +10,10 @@ patch setters on `generic_activation_patch`; so does this module, on
 [`generic_activation_patch`][safelens.generic_activation_patch], with the same setters
 and index grids. A TransformerBridge goes to `safelens.patching._hf_sweeps` (its
 `pattern` site), where a row or entry patch at `dest_pos` runs positions `dest_pos:`
-only, on the corrupted run's cache. A plain HuggingFace causal LM is refused: its
-attention computes the pattern inside one call, with no hook point. This module imports
+only, on the corrupted run's cache; so does a plain HuggingFace causal LM, whose
+pattern is patched inside its attention function (`safelens.backends.hf._seams`: the
+layer's attention computed eagerly, the patched pattern applied to the values). This
+module imports
 nothing from TransformerLens until a `HookedTransformer` sweep runs, so it loads on
 TransformerLens 4, which removed `HookedTransformer`.
 
@@ -36,6 +38,7 @@ import torch
 from jaxtyping import Float, Int
 
 from ..backends._backend import backend_of
+from ..backends._supported import SupportedModel
 from ..core._errors import PatchingError
 from ._hf_sites import _tokens
 from ._hf_sweeps import is_seam_model, seam_patch
@@ -178,7 +181,7 @@ def _pattern_sweep(
 
 
 def get_act_patch_attn_head_pattern_by_pos(
-    model: torch.nn.Module,
+    model: SupportedModel,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: Any,
     patching_metric: Metric,
@@ -196,11 +199,11 @@ def get_act_patch_attn_head_pattern_by_pos(
 
     **Arguments:**
 
-    - `model`: a `HookedTransformer` or a TransformerBridge (a plain HuggingFace
-      causal LM has no pattern hook point and is refused).
+    - `model`: a `HookedTransformer`, a TransformerBridge or a HuggingFace causal LM.
     - `corrupted_tokens`: `[batch, pos]` tokens of the corrupted run.
-    - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`), same
-      `pos`.
+    - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`; on a
+      HuggingFace model, [`run_with_patching_cache`][safelens.run_with_patching_cache]'s
+      dict), same `pos`.
     - `patching_metric`: logits `[runs * batch, pos, d_vocab]` to `[runs]` (fast), or
       TransformerLens-style logits of one run to a scalar.
     - `max_batch`: at most this many patched runs per forward pass.
@@ -211,8 +214,9 @@ def get_act_patch_attn_head_pattern_by_pos(
     model's device (`n_heads` query heads, grouped-query models included).
 
     **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
-    token ids of this model; [`PatchingError`][safelens.PatchingError] for a plain
-    HuggingFace model, a bridge whose attention does not use `hook_pattern` (module
+    token ids of this model; [`PatchingError`][safelens.PatchingError] for a
+    HuggingFace model whose attention does not run through transformers' attention
+    functions, a bridge whose attention does not use `hook_pattern` (module
     notes), a clean cache of another length or without `hook_pattern`, a metric result
     or a limit that does not fit, naming it.
 
@@ -241,7 +245,7 @@ def get_act_patch_attn_head_pattern_by_pos(
 
 
 def get_act_patch_attn_head_pattern_dest_src_pos(
-    model: torch.nn.Module,
+    model: SupportedModel,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: Any,
     patching_metric: Metric,
@@ -259,11 +263,11 @@ def get_act_patch_attn_head_pattern_dest_src_pos(
 
     **Arguments:**
 
-    - `model`: a `HookedTransformer` or a TransformerBridge (a plain HuggingFace
-      causal LM has no pattern hook point and is refused).
+    - `model`: a `HookedTransformer`, a TransformerBridge or a HuggingFace causal LM.
     - `corrupted_tokens`: `[batch, pos]` tokens of the corrupted run.
-    - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`), same
-      `pos`.
+    - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`; on a
+      HuggingFace model, [`run_with_patching_cache`][safelens.run_with_patching_cache]'s
+      dict), same `pos`.
     - `patching_metric`: logits `[runs * batch, pos, d_vocab]` to `[runs]` (fast), or
       TransformerLens-style logits of one run to a scalar.
     - `max_batch`: at most this many patched runs per forward pass.
@@ -274,8 +278,9 @@ def get_act_patch_attn_head_pattern_dest_src_pos(
     the model's device (`n_heads` query heads, grouped-query models included).
 
     **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
-    token ids of this model; [`PatchingError`][safelens.PatchingError] for a plain
-    HuggingFace model, a bridge whose attention does not use `hook_pattern` (module
+    token ids of this model; [`PatchingError`][safelens.PatchingError] for a
+    HuggingFace model whose attention does not run through transformers' attention
+    functions, a bridge whose attention does not use `hook_pattern` (module
     notes), a clean cache of another length or without `hook_pattern`, a metric result
     or a limit that does not fit, naming it.
 
@@ -304,7 +309,7 @@ def get_act_patch_attn_head_pattern_dest_src_pos(
 
 
 def get_act_patch_attn_head_pattern_all_pos(
-    model: torch.nn.Module,
+    model: SupportedModel,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: Any,
     patching_metric: Metric,
@@ -320,11 +325,11 @@ def get_act_patch_attn_head_pattern_all_pos(
 
     **Arguments:**
 
-    - `model`: a `HookedTransformer` or a TransformerBridge (a plain HuggingFace
-      causal LM has no pattern hook point and is refused).
+    - `model`: a `HookedTransformer`, a TransformerBridge or a HuggingFace causal LM.
     - `corrupted_tokens`: `[batch, pos]` tokens of the corrupted run.
-    - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`), same
-      `pos`.
+    - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`; on a
+      HuggingFace model, [`run_with_patching_cache`][safelens.run_with_patching_cache]'s
+      dict), same `pos`.
     - `patching_metric`: logits `[runs * batch, pos, d_vocab]` to `[runs]` (fast), or
       TransformerLens-style logits of one run to a scalar.
     - `max_batch`: at most this many patched runs per forward pass.
@@ -335,8 +340,9 @@ def get_act_patch_attn_head_pattern_all_pos(
     (`n_heads` query heads, grouped-query models included).
 
     **Raises:** [`TokenError`][safelens.TokenError] for corrupted tokens that are not
-    token ids of this model; [`PatchingError`][safelens.PatchingError] for a plain
-    HuggingFace model, a bridge whose attention does not use `hook_pattern` (module
+    token ids of this model; [`PatchingError`][safelens.PatchingError] for a
+    HuggingFace model whose attention does not run through transformers' attention
+    functions, a bridge whose attention does not use `hook_pattern` (module
     notes), a clean cache of another length or without `hook_pattern`, a metric result
     or a limit that does not fit, naming it.
 

@@ -10,9 +10,9 @@ causal model only runs positions `p:` and layers `l:` (see `safelens.patching._g
 Every input is checked before the first patched run (see `safelens.patching._inputs`).
 
 Models: a `HookedTransformer` runs here. A TransformerBridge or a HuggingFace causal LM
-goes to `safelens.patching._hf_sweeps` (the sweeps of this module but `resid_mid`, `q`
-and `z` on plain HuggingFace models; keys patched after the rotary embedding, the same
-patch at one position), and `generic_activation_patch` on a bridge to
+goes to `safelens.patching._hf_sweeps` (keys and queries patched after the rotary
+embedding, the same patch at one position; `resid_mid` refused in families that run
+attention and MLP in parallel), and `generic_activation_patch` to
 `safelens.patching._hf_generic`, so this module imports without `HookedTransformer`,
 which TransformerLens 4 removed.
 
@@ -42,13 +42,14 @@ that does is refused with a `PatchingError`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import pandas as pd
 import torch
 from jaxtyping import Int
 
-from ._hf_sites import TL_NAMES, TL_NAMES_ON_HF
+from ..backends._supported import SupportedModel
+from ._hf_sites import TL_NAMES
 from ._hf_sweeps import is_seam_model, seam_patch
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
 from ._metric import Metric
@@ -80,9 +81,10 @@ AxisName = Literal["layer", "pos", "head_index", "head", "src_pos", "dest_pos"]
 PatchSetter = Callable[[torch.Tensor, Sequence[int], torch.Tensor], torch.Tensor]
 
 
-def _row_index(sweep: _Sweep, runs: list[Run], rows: list[int]) -> tuple[torch.Tensor, ...]:
-    """Batch rows, clean-batch rows and per-run index columns, one entry per patched row."""
-    device = sweep.model.cfg.device
+def _row_index(
+    sweep: _Sweep, runs: list[Run], rows: list[int], device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """Batch rows, clean-batch rows and per-run index columns on `device` (the patched tensor's)."""
     batch = torch.arange(sweep.batch, device=device)
     starts = torch.tensor(rows, device=device)
     row = (starts[:, None] + batch).reshape(-1)
@@ -94,7 +96,7 @@ def _by_pos_patcher(sweep: _Sweep, with_head: bool) -> Callable[..., None]:
     def patch(
         tensor: torch.Tensor, runs: list[Run], rows: list[int], batch: int, start: int
     ) -> None:
-        row, clean_row, layer, pos, *head = _row_index(sweep, runs, rows)
+        row, clean_row, layer, pos, *head = _row_index(sweep, runs, rows, tensor.device)
         clean = sweep.clean[runs[0].layer]
         if with_head:
             tensor[row, pos - start, head[0]] = clean[clean_row, pos, head[0]]
@@ -108,7 +110,7 @@ def _all_pos_patcher(sweep: _Sweep) -> Callable[..., None]:
     def patch(
         tensor: torch.Tensor, runs: list[Run], rows: list[int], batch: int, start: int
     ) -> None:
-        row, clean_row, layer, head = _row_index(sweep, runs, rows)
+        row, clean_row, layer, head = _row_index(sweep, runs, rows, tensor.device)
         tensor[row, :, head] = sweep.clean[runs[0].layer][clean_row, start:, head]
 
     return patch
@@ -140,7 +142,8 @@ def _patch(
     from ._inputs import _Sweep
 
     _check_limits(max_batch, max_bytes, progress)
-    sweep = _Sweep(model, corrupted_tokens, clean_cache, activation_name)
+    hooked = cast("HookedTransformer", model)  # neither a bridge nor an HF model
+    sweep = _Sweep(hooked, corrupted_tokens, clean_cache, activation_name)
     shape: tuple[int, ...] = (model.cfg.n_layers,)
     if by_pos:
         shape += (sweep.length,)
@@ -173,7 +176,7 @@ def _idle(sweep: _Sweep, runs: list[Run], axes: list[int]) -> tuple[list[Run], l
 
 
 def generic_activation_patch(
-    model: HookedTransformer,
+    model: SupportedModel,
     corrupted_tokens: Int[torch.Tensor, "batch pos"],
     clean_cache: ActivationCache,
     patching_metric: Metric,
@@ -196,12 +199,13 @@ def generic_activation_patch(
     clean_activation)` is called once per patch on that run's full-length activation
     `[batch, pos, …]`, and returns it patched (or `None` after editing it in place).
     With one of TransformerLens' own setters, a patch that writes what the corrupted run
-    holds runs no pass (`safelens.patching._unchanged`); any other setter runs for
+    holds runs no pass; any other setter runs for
     every index.
     Patches of `rot_k`, `attn_scores` or `pattern`, whose tensors span every key
     position, always run every position. On a TransformerBridge the setter runs on the
-    bridge's own hook points, every position of each run (`safelens.patching._hf_generic`);
-    a plain HuggingFace model is refused.
+    bridge's own hook points, every position of each run; on a plain HuggingFace model
+    at the site of `activation_name` (the "Patching sites" page says where each is),
+    both tensors in TransformerLens' layout.
 
     **Arguments:**
 
@@ -256,7 +260,8 @@ def generic_activation_patch(
 
     _check_limits(max_batch, max_bytes, progress)
     check_index_choice(index_axis_names, index_df)
-    sweep = _Sweep(model, corrupted_tokens, clean_cache, activation_name)
+    hooked = cast("HookedTransformer", model)  # neither a bridge nor an HF model
+    sweep = _Sweep(hooked, corrupted_tokens, clean_cache, activation_name)
     index_df, shape = _index_grid(sweep, index_axis_names, index_df)
     columns = list(index_df.columns)
     pos_column = columns.index("pos") if "pos" in columns else None
@@ -306,7 +311,7 @@ def _sweep_function(
     name: str, activation: str, what: str, by_pos: bool, with_head: bool, example: str
 ) -> Callable[..., torch.Tensor]:
     def patch(
-        model: HookedTransformer,
+        model: SupportedModel,
         corrupted_tokens: Int[torch.Tensor, "batch pos"],
         clean_cache: ActivationCache,
         patching_metric: Metric,
@@ -332,7 +337,7 @@ def _sweep_function(
             activation,
             by_pos,
             with_head,
-            model,
+            cast("HookedTransformer", model),  # neither a bridge nor an HF model
             corrupted_tokens,
             clean_cache,
             patching_metric,
@@ -345,22 +350,19 @@ def _sweep_function(
     heads = (
         " (`n_kv_heads` on grouped-query models)" if activation in ("k", "v") and with_head else ""
     )
-    seam = (
-        ""
-        if activation in TL_NAMES_ON_HF
-        else " (a bridge only: HuggingFace models have no such hook)"
-    )
     patch.__name__ = patch.__qualname__ = name
     patch.__doc__ = f"""Patch {what}: TransformerLens' `patching.{name}`, batched on the cache.
 
     Patches `blocks.{{layer}}.{TL_NAMES[activation]}` from `clean_cache`
     into the corrupted run at each [{axes}]{heads}. On a TransformerBridge or a
-    HuggingFace model{seam}, see `safelens.patching._hf_sites` for where it patches
-    (keys at the cache seam, after the rotary embedding: the same patch at one position).
+    HuggingFace model, the "Patching sites" page says where it patches (keys and
+    queries after the rotary embedding: the same patch at one position) and what each
+    family holds there.
 
     **Arguments:**
 
-    - `model`: a `HookedTransformer`, a TransformerBridge or a HuggingFace causal LM.
+    - `model`: a [`SupportedModel`][safelens.SupportedModel]: a `HookedTransformer`, a
+      `TransformerBridge` or a HuggingFace causal LM.
     - `corrupted_tokens`: `[batch, pos]` tokens of the corrupted run.
     - `clean_cache`: the clean run's `ActivationCache` (`model.run_with_cache`; on a
       HuggingFace model, [`run_with_patching_cache`][safelens.run_with_patching_cache]'s

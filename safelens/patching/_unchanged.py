@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..backends._backend import Backend
-from ._hf_sites import Site, residual_input
+from ._hf_sites import Site, site_edits
 
 __all__ = ["idle_runs", "known_setter_axes", "marked", "seeing", "unchanged"]
 
@@ -108,7 +108,7 @@ def seeing(
     hooked = [(site.hook(layer), keep(layer)) for layer in range(backend.n_layers)]
     inputs = {layer: keep(layer) for layer, (name, _) in enumerate(hooked) if name is None}
     pairs = [(name, hook) for name, hook in hooked if name is not None]
-    with residual_input(backend, inputs), backend.pass_hooks(cache, pairs):  # type: ignore[arg-type]
+    with site_edits(backend, {site.activation: inputs}), backend.pass_hooks(cache, pairs):  # type: ignore[arg-type]
         yield
 
 

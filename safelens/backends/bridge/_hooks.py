@@ -31,22 +31,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...core._errors import HookError
 from ...core._thread_hooks import Hook, thread_hooks
-from .._backend import FwdHooks, NamesFilter
+from .._backend import Backend, FwdHooks, NamesFilter
 from ..hf._cache import HFKeyValueCache
 from ..hf._run import _pairs, split_names
-
-if TYPE_CHECKING:
-    from ._backend import BridgeBackend
 
 __all__ = ["bridge_hooks", "select_cache_hooks", "thread_bridge_hooks"]
 
 
 def _resolve(
-    backend: BridgeBackend, names: NamesFilter, cache_only: bool = False
+    backend: Backend, names: NamesFilter, cache_only: bool = False
 ) -> tuple[list[str], list[str]]:
     """`(bridge_names, cache_names)` that `names` selects, or a `HookError` saying why not."""
     cache_names = backend.cache_hook_names()
@@ -64,14 +61,14 @@ def _resolve(
     )
 
 
-def select_cache_hooks(backend: BridgeBackend, names: NamesFilter) -> list[str]:
+def select_cache_hooks(backend: Backend, names: NamesFilter) -> list[str]:
     """The cache hook names `names` selects; a bridge hook name is a `HookError`."""
     return _resolve(backend, names, cache_only=True)[1]
 
 
 @contextmanager
 def bridge_hooks(
-    backend: BridgeBackend,
+    backend: Backend,
     cache: HFKeyValueCache,
     fwd_hooks: FwdHooks,
     reset_hooks_end: bool = True,
@@ -109,7 +106,7 @@ def bridge_hooks(
 
 @contextmanager
 def thread_bridge_hooks(
-    backend: BridgeBackend, cache: HFKeyValueCache, fwd_hooks: FwdHooks
+    backend: Backend, cache: HFKeyValueCache, fwd_hooks: FwdHooks
 ) -> Iterator[None]:
     """`bridge_hooks` for safelens' own passes: bridge hooks act on this thread's only.
 

@@ -56,6 +56,13 @@ class HFCacheOps(CacheOps):
                 f"{what} holds no layers (an empty HFKeyValueCache()); pass a prefix from "
                 "prefill(model, tokens) or a cache a forward pass filled"
             )
+        slid = [layer.layer for layer in cache.layers if layer.evicted]
+        if slid:
+            raise CacheShapeError(
+                f"{what}: sliding-window layers {slid} hold only their window (a cache made "
+                "with HFKeyValueCache(config=...), as DynamicCache holds it), and safelens' "
+                "experiments read every position; make the prefix with prefill(model, tokens)"
+            )
         shapes = set()
         for layer in cache.layers:
             for name in ("keys", "values"):

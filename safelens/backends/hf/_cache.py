@@ -18,9 +18,14 @@ Caveats: `crop`, `reorder_cache`, `batch_repeat_interleave`, `batch_select_indic
 `KeyValueCache.crop`, `crop(-k)` here mutates, `crop(n)` with `n > 0` is refused, and
 `cropped` is the non-mutating crop. A frozen cache stores nothing and refuses the
 in-place methods that would change it, so run `generate` and multi-step loops on
-`cache.fork()`. Nothing is evicted, also for sliding-window layers: the mask applies
-the window. Saving and loading (`safelens.backends.hf._persistence`) use head-major
-files that `KeyValueCache` refuses, and the other way round.
+`cache.fork()` (`generate` handed a frozen cache is refused, see
+`safelens.backends.hf._frozen_pass`). Sliding-window layers hold what `DynamicCache`
+holds: with `config=` a HuggingFace config, the layers `DynamicCache(config=)` makes
+sliding keep only their window (`HFKeyValueCache()` without a config, like
+`DynamicCache()`, and the caches safelens' experiments make keep every position, which
+ablations, patching by position, `cropped` and `save` need). Saving and loading
+(`safelens.backends.hf._persistence`) use head-major files that `KeyValueCache` refuses,
+and the other way round.
 """
 
 from __future__ import annotations
@@ -38,9 +43,11 @@ from ...core._frozen import FrozenFlag
 from ...core._hook_point import CacheHookPoint
 from ...core._persistence import Devices
 from ...core._storage import Sequence
+from ._frozen_pass import FrozenPasses
 from ._hooks import FwdHooks, attached, resolve, resolve_hooks
-from ._layer import HOOK_POINTS, HFCacheLayer, HookNaming, check_naming
+from ._layer import HOOK_POINTS, HFCacheLayer, HookNaming, check_naming, sliding_windows
 from ._persistence import check_layers_fit, load_layers, save_layers, text_config
+from ._pytree import register_cache_pytree
 from ._transformers_cache import TransformersCache
 
 __all__ = ["HFKeyValueCache"]
@@ -66,7 +73,9 @@ class HFKeyValueCache(TransformersCache):
 
     - `config`: a HuggingFace config (or `None`). With one, the cache starts with one
       empty layer per `num_hidden_layers`, so every hook point exists before the first
-      forward; without, layers are created on first use.
+      forward, and the layers `DynamicCache(config=config)` makes sliding keep only their
+      window, as there; without, layers are created on first use and keep every
+      position.
     - `frozen`: start frozen.
     - `naming`: the hook names' scheme: `"hf"` for `model.layers.{layer}.kv_cache.…`,
       `"bridge"` for `blocks.{layer}.kv_cache.…`, beside a TransformerBridge's own
@@ -87,16 +96,21 @@ class HFKeyValueCache(TransformersCache):
     def __init__(self, config: Any = None, frozen: bool = False, naming: HookNaming = "hf") -> None:
         super().__init__(layers=[])
         self.naming = check_naming(naming)
+        self._windows = sliding_windows(config)
         if config is not None:
             self._grow(CacheDimensions.of(text_config(config)).n_layers)
         self._frozen = bool(frozen)
+        self._user_defined = False
+        self._frozen_passes = FrozenPasses()
         self._pass: Callable[[], None] | None = None
         self._last_layer = -1
         self._level = 0
 
     def _grow(self, n_layers: int) -> None:
         while len(self.layers) < n_layers:
-            self.layers.append(HFCacheLayer(len(self.layers), naming=self.naming))
+            layer = len(self.layers)
+            window = self._windows[layer] if layer < len(self._windows) else None
+            self.layers.append(HFCacheLayer(layer, naming=self.naming, sliding_window=window))
 
     # -- the seam ---------------------------------------------------------------------
 
@@ -110,10 +124,13 @@ class HFKeyValueCache(TransformersCache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append head-major keys/values to layer `layer_idx`; return cached + new.
 
-        Stores nothing while frozen. An update with a layer index not above the previous
-        one starts a forward pass: every layer is snapshotted then, and if this or a
-        later update of the pass raises, the whole cache is put back. `args`/`kwargs`
-        are what HuggingFace attention passes along; they are ignored.
+        Stores nothing while frozen, and then refuses a pass whose positions (the
+        `position_ids` or `cache_position` HuggingFace attention passes along in
+        `args`/`kwargs`, under transformers >= 5.24) start past what the cache holds: a
+        multi-step loop that believes its earlier steps were stored. An update with a
+        layer index not above the previous one starts a forward pass: every layer is
+        snapshotted then, and if this or a later update of the pass raises, the whole
+        cache is put back.
 
         **Arguments:**
 
@@ -123,7 +140,9 @@ class HFKeyValueCache(TransformersCache):
         **Returns:** `(keys, values)`, `[batch, n_kv_heads, pos_so_far + new_tokens, d_head]`.
 
         **Raises:** [`CacheShapeError`][safelens.CacheShapeError] for keys or values that
-        do not fit the layer; [`HookError`][safelens.HookError] from a hook's result.
+        do not fit the layer; [`HookError`][safelens.HookError] from a hook's result;
+        [`FrozenCacheError`][safelens.FrozenCacheError] for a pass over a frozen cache
+        that does not continue what it holds (run it on `cache.fork()`).
         """
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
             raise TypeError(f"layer_idx must be an int >= 0, got {layer_idx!r}")
@@ -133,6 +152,7 @@ class HFKeyValueCache(TransformersCache):
             layer = (
                 self.layers[layer_idx] if exists else HFCacheLayer(layer_idx, naming=self.naming)
             )
+            self._frozen_passes.check(layer.get_seq_length(), args, kwargs)
             return layer.update(key_states, value_states, store=False)
         if self._pass is None or layer_idx <= self._last_layer:
             self._pass = self._snapshot()
@@ -209,6 +229,7 @@ class HFKeyValueCache(TransformersCache):
 
     def _derived(self, op: Callable[[Sequence], Sequence]) -> HFKeyValueCache:
         result = HFKeyValueCache(naming=self.naming)
+        result._windows = self._windows
         result.layers.extend(layer.derived(op) for layer in self.layers)
         return result
 
@@ -272,7 +293,15 @@ class HFKeyValueCache(TransformersCache):
                 f"length must be in [-{total}, {total}] for a cache of {total} positions, "
                 f"got {length}"
             )
-        return self._derived(lambda seq: seq.crop(kept))
+        slid = [layer.layer for layer in self.layers if layer.evicted]
+        if slid and kept < total:
+            raise CacheShapeError(
+                f"cropped({length}): sliding-window layers {slid} hold only their last "
+                "positions (as DynamicCache holds them), not the ones a shorter cache would "
+                "read; make the cache with HFKeyValueCache() (no config), which keeps every "
+                "position, to crop it"
+            )
+        return self._derived(lambda seq: seq.crop(min(kept, seq.length)))
 
     def select(self, rows: int | slice | list[int] | torch.Tensor) -> HFKeyValueCache:
         """The batch rows `rows` (any index torch accepts), in storage of their own.
@@ -452,3 +481,6 @@ class HFKeyValueCache(TransformersCache):
             f"HFKeyValueCache(layers={len(self.layers)}, batch={self.batch_size}, "
             f"sequence_length={self.get_seq_length()}, frozen={self._frozen})"
         )
+
+
+register_cache_pytree(HFKeyValueCache)

@@ -56,6 +56,13 @@ def save_layers(layers: SequenceOf[HFCacheLayer], frozen: bool, path: str | Path
             f"save needs keys in every layer; layers {empty} hold nothing yet (no forward "
             "pass reached them). Save after a forward pass through every layer"
         )
+    slid = [layer.layer for layer in layers if layer.evicted]
+    if slid:
+        raise CacheShapeError(
+            f"save needs every position; sliding-window layers {slid} hold only their "
+            "window, as DynamicCache holds them. Make the cache to save with "
+            "HFKeyValueCache() (no config) or prefill(model, tokens), which keep every position"
+        )
     save_cache(layers, None, frozen, path, HEAD_MAJOR)
 
 

@@ -28,18 +28,15 @@ from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ...core._errors import CacheShapeError, HookError, TokenError
 from ...core._thread_hooks import thread_hooks
 from ...core._tokens import check_tokens
-from .._backend import FwdHooks, NamesFilter
+from .._backend import Backend, FwdHooks, NamesFilter
 from ._cache import HFKeyValueCache
-
-if TYPE_CHECKING:
-    from ._backend import HFBackend
 
 __all__ = [
     "ModuleHookPoint",
@@ -186,7 +183,7 @@ def split_names(
 
 
 def _resolve(
-    backend: HFBackend,
+    backend: Backend,
     names: NamesFilter,
     cache_only: bool = False,
     modules: dict[str, torch.nn.Module] | None = None,
@@ -207,13 +204,13 @@ def _resolve(
     )
 
 
-def select_cache_hooks(backend: HFBackend, names: NamesFilter) -> list[str]:
+def select_cache_hooks(backend: Backend, names: NamesFilter) -> list[str]:
     """The cache hook names `names` selects; a module name is a `HookError`."""
     return _resolve(backend, names, cache_only=True)[1]
 
 
 @contextmanager
-def attach_hooks(backend: HFBackend, cache: HFKeyValueCache, fwd_hooks: FwdHooks) -> Iterator[None]:
+def attach_hooks(backend: Backend, cache: HFKeyValueCache, fwd_hooks: FwdHooks) -> Iterator[None]:
     """Attach `fwd_hooks` (module and cache names) for the block, inside `cache.guard()`."""
     modules = dict(backend.model.named_modules())
     resolved = [(_resolve(backend, names, modules=modules), fn) for names, fn in _pairs(fwd_hooks)]
@@ -229,7 +226,7 @@ def attach_hooks(backend: HFBackend, cache: HFKeyValueCache, fwd_hooks: FwdHooks
 
 @contextmanager
 def module_hooks(
-    backend: HFBackend,
+    backend: Backend,
     cache: HFKeyValueCache,
     fwd_hooks: FwdHooks,
     reset_hooks_end: bool,
@@ -251,7 +248,7 @@ def module_hooks(
                 point.clear_context()
 
 
-def _checked_input(backend: HFBackend, cache: HFKeyValueCache, input: Any) -> torch.Tensor:
+def _checked_input(backend: Backend, cache: HFKeyValueCache, input: Any) -> torch.Tensor:
     if isinstance(input, str) or (
         isinstance(input, list) and bool(input) and all(isinstance(i, str) for i in input)
     ):
@@ -294,7 +291,7 @@ def _checked_mask(mask: Any, tokens: torch.Tensor, past: int) -> torch.Tensor:
 
 
 def run(
-    backend: HFBackend,
+    backend: Backend,
     input: Any,
     cache: Any,
     fwd_hooks: FwdHooks,

@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache
 
 from ...core._cache_layout import row_index
 from ...core._errors import FrozenCacheError
+from ._frozen_pass import refuse_generate
 from ._layer import HFCacheLayer
 
 __all__ = ["TransformersCache"]
@@ -34,6 +35,7 @@ class TransformersCache(Cache):
 
     layers: list[HFCacheLayer]  # type: ignore[assignment]  # only ever HFCacheLayers
     _frozen: bool
+    _user_defined: bool
 
     def _rows(self, rows: Any) -> torch.Tensor:
         return row_index(rows, max(self.batch_size, 0))
@@ -50,15 +52,17 @@ class TransformersCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """In place, as HuggingFace's: `crop(-k)` drops the last `k` positions of every layer.
 
-        `crop(0)` changes nothing (`generate` calls it so). This is not
+        `crop(0)` drops nothing (`generate` calls it so), but a sliding-window layer that
+        recorded past its window keeps only the window again, as `DynamicCache`'s. This is not
         [`KeyValueCache.crop`][safelens.KeyValueCache.crop], which returns a new cache:
         that is [`cropped`][safelens.HFKeyValueCache.cropped] here. A positive argument
         is refused, as transformers 5 refuses it, so `cache.crop(4)` written with
         `KeyValueCache.crop`'s meaning fails instead of cutting this cache in place.
 
         **Raises:** `ValueError` for a positive `tokens_to_remove` (naming `cropped`);
-        [`FrozenCacheError`][safelens.FrozenCacheError] when frozen and the call would
-        drop something.
+        [`CacheShapeError`][safelens.CacheShapeError] for a sliding-window layer asked to
+        drop positions it no longer holds (as `DynamicCache` refuses it); [`FrozenCacheError`][safelens.FrozenCacheError] when
+        frozen and the call would drop something. The cache is then unchanged.
 
         ```python
         >>> cache = HFKeyValueCache()
@@ -81,11 +85,23 @@ class TransformersCache(Cache):
                 f"KeyValueCache.crop({tokens_to_remove}) returns) use "
                 f"cropped({tokens_to_remove})"
             )
-        if not any(layer.get_seq_length() for layer in self.layers) or tokens_to_remove == 0:
+        if not any(layer.get_seq_length() for layer in self.layers):
+            return
+        if tokens_to_remove == 0:
+            # As `DynamicCache`: a sliding layer that recorded past its window drops it.
+            if not self._frozen:
+                for layer in self.layers:
+                    layer.crop_(0)
             return
         self._mutable(f"crop({tokens_to_remove})")
-        for layer in self.layers:
-            layer.replace(lambda seq: seq.crop(max(seq.length + tokens_to_remove, 0)))
+        restores = [layer.snapshot() for layer in self.layers]
+        try:
+            for layer in self.layers:
+                layer.crop_(-tokens_to_remove)
+        except BaseException:
+            for restore in restores:
+                restore()
+            raise
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """In place: batch row `i` becomes row `beam_idx[i]` (beam search)."""
@@ -115,7 +131,19 @@ class TransformersCache(Cache):
         for layer in self.layers:
             layer.reset()
 
-    # -- what HuggingFace reads -------------------------------------------------------
+    # -- what HuggingFace reads and sets ----------------------------------------------
+
+    @property
+    def _is_user_defined(self) -> bool:
+        """Whether `generate` was handed this cache (it sets this before its first step)."""
+        return self._user_defined
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        # `generate` stores every step it decodes: a frozen cache is refused before any.
+        if value and self._frozen:
+            raise refuse_generate()
+        self._user_defined = bool(value)
 
     @property
     def batch_size(self) -> int:
@@ -134,8 +162,8 @@ class TransformersCache(Cache):
 
     @property
     def is_sliding(self) -> list[bool]:
-        """False for every layer: nothing is evicted, the mask applies any window."""
-        return [False] * len(self.layers)
+        """Per layer, whether it keeps only a window (made so by `HFKeyValueCache(config=)`)."""
+        return [layer.is_sliding for layer in self.layers]
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         """-1: no maximum length."""

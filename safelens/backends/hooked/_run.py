@@ -10,27 +10,25 @@ TransformerLens reads the cached length of every layer.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ...core._arguments import integer
 from ...core._cache import KeyValueCache
+from ...core._config import CacheDimensions
 from ...core._errors import CacheShapeError, HookError, TokenError
 from ...core._rollback import snapshot
 from ...core._tokens import check_tokens
-from .._backend import FwdHooks
+from .._backend import Backend, FwdHooks
 from ._hooks import hooks
-
-if TYPE_CHECKING:
-    from ._backend import HookedBackend
 
 __all__ = ["run"]
 
 
-def _fill_empty_layers(backend: HookedBackend, cache: KeyValueCache, batch: int) -> None:
+def _fill_empty_layers(backend: Backend, cache: KeyValueCache, batch: int) -> None:
     """Give every layer without tensor keys an empty `[batch, 0, n_kv_heads, d_head]` pair."""
-    dims = backend._dims
+    dims = CacheDimensions.of(backend.model.cfg)
     for layer in range(dims.n_layers):
         try:
             entry = cache[layer]
@@ -40,7 +38,7 @@ def _fill_empty_layers(backend: HookedBackend, cache: KeyValueCache, batch: int)
                 "build it with KeyValueCache.init_cache(model.cfg)"
             ) from None
         if entry.keys is None and entry.values is None:
-            empty = dims.empty_keys(batch, dims.device_of_layer(layer, backend.cfg.device))
+            empty = dims.empty_keys(batch, dims.device_of_layer(layer, backend.model.cfg.device))
             entry.keys, entry.values = empty, torch.empty_like(empty)
 
 
@@ -86,7 +84,7 @@ def _checked_input(cfg: Any, cache: KeyValueCache, input: torch.Tensor, mask: An
 
 
 def run(
-    backend: HookedBackend,
+    backend: Backend,
     input: Any,
     cache: Any,
     fwd_hooks: FwdHooks,
@@ -108,9 +106,9 @@ def run(
             "(a tensor of ints) instead"
         )
     if not text and forward_args.get("start_at_layer") is None:
-        input = _checked_input(backend.cfg, cache, input, forward_args.get("attention_mask"))
+        input = _checked_input(backend.model.cfg, cache, input, forward_args.get("attention_mask"))
     if forward_args.get("tokens") is not None:
-        check_tokens(forward_args["tokens"], backend.cfg, "tokens", rank=None)
+        check_tokens(forward_args["tokens"], backend.model.cfg, "tokens", rank=None)
     restore = snapshot(cache)
     try:
         if isinstance(input, torch.Tensor):

@@ -1,0 +1,427 @@
+"""Where a HuggingFace decoder layer's activations can be read and edited, in one thread's passes.
+
+A HuggingFace causal LM carries no hook points inside its attention or between its
+attention and MLP. Its activations are still reached at seams every family shares:
+
+- *queries, attention scores and patterns*: the attention function. Every attention
+  module computes its queries, keys and values, then calls the function transformers'
+  `ALL_ATTENTION_FUNCTIONS` holds under `config._attn_implementation` (`"sdpa"`,
+  `"eager"`, …) as `fn(module, query, key, value, attention_mask, scaling=…, **kwargs)`.
+  Within [`attention_edits`][safelens.backends.hf._seams.attention_edits] that entry
+  dispatches, for the modules being edited on the calling thread, to safelens: the
+  query `[batch, n_heads, pos, d_head]` (after the rotary embedding, query heads even
+  under grouped-query attention) is edited before the model's own function runs; to
+  read or edit scores or patterns the layer's attention is computed here, eagerly
+  (`_eager`): scores `query @ key.T * scaling`, soft-capped where the family caps
+  them, plus the attention mask HuggingFace hands the function (its large negative
+  value on masked entries; a boolean mask as that value, no mask as the causal one),
+  then the pattern `softmax(scores)` in float32, then `pattern @ value`. Every other
+  module, and every other thread, runs the function it always runs.
+- *head outputs*: the input of the attention's output projection (`o_proj`, GPT-2's
+  `c_proj`, `dense`, `out_proj`), seen as `[batch, pos, n_heads, d_head]`.
+- *the residual stream between attention and MLP*: the input of the norm before the
+  MLP ([`mlp_norm`][safelens.backends.hf._seams.mlp_norm]), edited in place, since
+  the decoder layer adds the same tensor back after its MLP.
+- *the residual stream entering a layer*: the decoder layer's input.
+
+Edits are plain PyTorch pre-hooks, or dispatch entries, that act in the calling thread's
+passes only and are removed when the block exits (also on error).
+
+Caveat: a family whose attention computes outside `ALL_ATTENTION_FUNCTIONS` (GPT-2
+with `reorder_and_upcast_attn`, a model's own attention registry) never reaches the
+seam; `attention_edits` raises a `PatchingError` when an edited module's function did
+not run through it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+
+from ...core._errors import PatchingError
+
+__all__ = [
+    "ATTENTION_MODULES",
+    "ATTENTION_POINTS",
+    "SEAMS",
+    "Edit",
+    "attention_edits",
+    "attention_function_module",
+    "attention_module",
+    "child_named",
+    "input_edits",
+    "mlp_norm",
+    "output_projection",
+    "seam_edits",
+    "seam_modules",
+]
+
+# `edit(tensor) -> tensor | None`: what a seam's tensor becomes (`None`: as it is, or
+# edited in place).
+Edit = Callable[[torch.Tensor], "torch.Tensor | None"]
+# A decoder layer's attention module, by the names families give it (Llama and most:
+# `self_attn`; GPT-2, GPT-J: `attn`; Falcon, BLOOM: `self_attention`; GPT-NeoX: `attention`).
+ATTENTION_MODULES = ("self_attn", "attn", "self_attention", "attention")
+# The attention's output projection, whose input is the head outputs.
+OUTPUT_PROJECTIONS = ("o_proj", "c_proj", "dense", "out_proj")
+# The norm before the MLP, in the order tried: Gemma-2/3 normalise the attention output
+# too (`post_attention_layernorm`) and the MLP input with `pre_feedforward_layernorm`.
+MLP_NORMS = ("pre_feedforward_layernorm", "post_attention_layernorm", "ln_2")
+# Config flags of families whose attention and MLP read the same input in parallel.
+PARALLEL_FLAGS = ("use_parallel_residual", "parallel_attn", "new_decoder_architecture")
+PARALLEL_FAMILIES = frozenset({"gptj", "phi", "cohere", "codegen", "gpt_neox_japanese"})
+# What the attention function edits: queries before it, scores and pattern inside it.
+ATTENTION_POINTS = ("q", "attn_scores", "pattern")
+# The activations reached at these seams (TransformerLens' names); the others of a
+# HuggingFace model are the cache's hook points and modules' outputs.
+SEAMS = frozenset({*ATTENTION_POINTS, "z", "resid_pre", "resid_mid"})
+# Attention-function arguments that change the arithmetic `_eager` does not know.
+_UNKNOWN_ARITHMETIC = ("s_aux", "sinks", "position_bias", "alibi")
+
+
+def child_named(layer: torch.nn.Module, names: tuple[str, ...]) -> str | None:
+    """The first of `names` that is a module of decoder layer `layer`, or `None`."""
+    return next(
+        (name for name in names if isinstance(getattr(layer, name, None), torch.nn.Module)), None
+    )
+
+
+def attention_module(layer: torch.nn.Module, index: int) -> torch.nn.Module:
+    """Decoder layer `index`'s attention module, or a `PatchingError` saying none was found."""
+    name = child_named(layer, ATTENTION_MODULES)
+    if name is None:
+        raise PatchingError(
+            f"decoder layer {index} ({type(layer).__name__}) has no "
+            f"{' or '.join(ATTENTION_MODULES)} module: no queries, head outputs or patterns "
+            "to patch"
+        )
+    module: torch.nn.Module = getattr(layer, name)
+    return module
+
+
+def attention_function_module(layer: torch.nn.Module, index: int) -> torch.nn.Module:
+    """Decoder layer `index`'s attention module, if it calls an `ALL_ATTENTION_FUNCTIONS` function.
+
+    Read from the names its `forward`'s code refers to; a `PatchingError` saying why not.
+    """
+    module = attention_module(layer, index)
+    forward = inspect.unwrap(type(module).forward)
+    if "ALL_ATTENTION_FUNCTIONS" not in getattr(forward, "__code__", forward).co_names:
+        raise PatchingError(
+            f"{type(module).__name__} computes its attention without transformers' "
+            "ALL_ATTENTION_FUNCTIONS, so its queries, scores and patterns cannot be "
+            "reached; patch k, v, z, resid_pre, attn_out or mlp_out instead"
+        )
+    return module
+
+
+def output_projection(layer: torch.nn.Module, index: int) -> torch.nn.Module:
+    """The output projection of decoder layer `index`'s attention (its input: head outputs)."""
+    attention = attention_module(layer, index)
+    name = child_named(attention, OUTPUT_PROJECTIONS)
+    if name is None:
+        raise PatchingError(
+            f"the attention of decoder layer {index} ({type(attention).__name__}) has no "
+            f"{' or '.join(OUTPUT_PROJECTIONS)} module, whose input would be the head "
+            "outputs z"
+        )
+    module: torch.nn.Module = getattr(attention, name)
+    return module
+
+
+def mlp_norm(layer: torch.nn.Module, index: int, config: Any) -> torch.nn.Module:
+    """The norm before decoder layer `index`'s MLP: its input is the residual stream `resid_mid`.
+
+    **Raises:** `PatchingError` for a family with no residual stream between attention
+    and MLP (parallel attention and MLP), a post-norm family, or none of `MLP_NORMS`.
+    """
+    family = getattr(config, "model_type", type(layer).__name__)
+    flags = [flag for flag in PARALLEL_FLAGS if getattr(config, flag, False) is True]
+    if flags or family in PARALLEL_FAMILIES:
+        why = f" ({flags[0]}=True)" if flags else ""
+        raise PatchingError(
+            f"{family} computes attention and MLP in parallel from the same input{why}: "
+            "there is no residual stream between them, so no resid_mid to patch; patch "
+            "resid_pre, attn_out or mlp_out instead"
+        )
+    name = child_named(layer, MLP_NORMS)
+    if name is None or (
+        name == "post_attention_layernorm" and hasattr(layer, "post_feedforward_layernorm")
+    ):
+        raise PatchingError(
+            f"decoder layer {index} of {family} has no norm before its MLP "
+            f"({', '.join(MLP_NORMS)}; a post-norm family normalises the attention output "
+            "instead), whose input would be resid_mid; patch resid_pre, attn_out or mlp_out"
+        )
+    module: torch.nn.Module = getattr(layer, name)
+    return module
+
+
+def seam_modules(
+    layers: Iterable[torch.nn.Module], config: Any, activation: str
+) -> list[torch.nn.Module]:
+    """The module of every decoder layer where `activation` (one of `SEAMS`) is edited.
+
+    **Raises:** `PatchingError` naming why a family has no such seam.
+    """
+    if activation == "resid_pre":
+        return list(layers)
+    if activation == "resid_mid":
+        return [mlp_norm(layer, index, config) for index, layer in enumerate(layers)]
+    if activation == "z":
+        return [output_projection(layer, index) for index, layer in enumerate(layers)]
+    if activation in ATTENTION_POINTS:
+        return [attention_function_module(layer, index) for index, layer in enumerate(layers)]
+    raise PatchingError(
+        f"activation {activation!r} has no seam here; expected one of {', '.join(sorted(SEAMS))}"
+    )
+
+
+@contextmanager
+def seam_edits(
+    layers: Iterable[torch.nn.Module], config: Any, edits: Mapping[str, Mapping[int, Edit]]
+) -> Iterator[None]:
+    """Within the block, `edits[activation][layer]` sees (and may edit) that seam's tensor.
+
+    Queries `[batch, n_heads, pos, d_head]`, scores and patterns `[batch, n_heads,
+    query_pos, key_pos]` (`attention_edits`), head outputs `[batch, pos, n_heads,
+    d_head]`, `resid_mid` in place and `resid_pre` as the layer's input (`input_edits`);
+    in the calling thread's passes only, removed on exit (also on error).
+    """
+    attention: dict[torch.nn.Module, dict[str, Edit]] = {}
+    with ExitStack() as stack:
+        for activation, by_layer in edits.items():
+            if not by_layer:
+                continue
+            modules = seam_modules(layers, config, activation)
+            chosen = {modules[layer]: edit for layer, edit in by_layer.items()}
+            if activation in ATTENTION_POINTS:
+                for module, edit in chosen.items():
+                    attention.setdefault(module, {})[activation] = edit
+            else:
+                heads = int(config.num_attention_heads) if activation == "z" else 0
+                stack.enter_context(input_edits(chosen, heads, activation == "resid_mid"))
+        if attention:
+            stack.enter_context(attention_edits(attention))
+        yield
+
+
+@contextmanager
+def input_edits(
+    edits: Mapping[torch.nn.Module, Edit], heads: int = 0, in_place: bool = False
+) -> Iterator[None]:
+    """Within the block, `edits[module]` sees (and may replace) `module`'s first input.
+
+    `heads`: the input `[batch, pos, heads * d_head]` is seen as `[batch, pos, heads,
+    d_head]`. `in_place`: what an edit returns is copied into the input itself (a
+    residual stream the module's caller reuses). Thread-only pre-hooks (module notes).
+    """
+    me = threading.get_ident()
+
+    def pre_hook(edit: Edit) -> Any:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
+            # No `kwargs`: half-registered, in another thread's pass (`core._thread_hooks`).
+            if threading.get_ident() != me or kwargs is None:
+                return None
+            tensor = args[0] if args else kwargs["hidden_states"]
+            seen = tensor.unflatten(-1, (heads, -1)) if heads else tensor
+            result = edit(seen)
+            if result is None or result is seen:
+                return None
+            if in_place:
+                seen.copy_(result)
+                return None
+            result = result.flatten(-2) if heads else result
+            if args:
+                return (result, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": result}
+
+        return hook
+
+    handles = []
+    try:
+        for module, edit in edits.items():
+            handles.append(module.register_forward_pre_hook(pre_hook(edit), with_kwargs=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+# -- the attention function ----------------------------------------------------------------
+
+_LOCK = threading.Lock()
+# implementation name -> (threads editing through it, its entry in the registry's own
+# mapping before, or `_MISSING`)
+_INSTALLED: dict[str, tuple[int, Any]] = {}
+_MISSING = object()
+
+
+class _Edits(threading.local):
+    """The calling thread's attention edits, by `id(module)`, and the modules that ran."""
+
+    def __init__(self) -> None:
+        self.by_module: dict[int, dict[str, Edit]] = {}
+        self.ran: set[int] = set()
+
+
+_EDITS = _Edits()
+
+
+def _own_eager(module: torch.nn.Module) -> Callable[..., Any]:
+    """The `eager_attention_forward` of `module`'s own modeling file (the `"eager"` default)."""
+    own = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if own is None:
+        raise PatchingError(
+            f"{type(module).__name__} runs eager attention without an "
+            "eager_attention_forward function in its modeling file; safelens cannot reach "
+            "its attention function"
+        )
+    result: Callable[..., Any] = own
+    return result
+
+
+def _dispatching(own: Callable[..., Any] | None) -> Callable[..., Any]:
+    def attention(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        function = own if own is not None else _own_eager(module)
+        edits = _EDITS.by_module.get(id(module))
+        if edits is None:  # not edited on this thread
+            return function(module, *args, **kwargs)
+        _EDITS.ran.add(id(module))
+        return _edited(function, edits, module, *args, **kwargs)
+
+    return attention
+
+
+def _applied(edit: Edit, tensor: torch.Tensor) -> torch.Tensor:
+    result = edit(tensor)
+    return tensor if result is None else result
+
+
+def _edited(
+    function: Callable[..., Any],
+    edits: dict[str, Edit],
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    if "q" in edits:
+        query = _applied(edits["q"], query)
+    if "attn_scores" not in edits and "pattern" not in edits:
+        return function(module, query, key, value, attention_mask, *args, **kwargs)
+    unknown = [name for name in _UNKNOWN_ARITHMETIC if kwargs.get(name) is not None]
+    if args or unknown:
+        raise PatchingError(
+            f"{type(module).__name__}'s attention takes "
+            f"{unknown[0] if unknown else 'positional arguments'} that safelens' eager "
+            "attention does not compute with; its scores and patterns cannot be patched"
+        )
+    return _eager(module, query, key, value, attention_mask, edits, **kwargs)
+
+
+def _eager(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    edits: dict[str, Edit],
+    scaling: float | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    **ignored: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention computed here, with its scores and pattern edited (module notes)."""
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else 1 / math.sqrt(query.shape[-1])
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    floor = torch.finfo(scores.dtype).min
+    if attention_mask is None:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        if causal:  # bottom-right: query i sits at key position offset + i
+            queries, keys = scores.shape[-2:]
+            rows = torch.arange(queries, device=scores.device)[:, None] + keys - queries
+            allowed = rows >= torch.arange(keys, device=scores.device)
+            scores = scores.masked_fill(~allowed, floor)
+    elif attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask[..., : key.shape[-2]], floor)
+    else:
+        scores = scores + attention_mask[..., : key.shape[-2]]
+    if "attn_scores" in edits:
+        scores = _applied(edits["attn_scores"], scores)
+    pattern = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if "pattern" in edits:
+        pattern = _applied(edits["pattern"], pattern)
+    output = torch.matmul(pattern, value).transpose(1, 2).contiguous()
+    return output, pattern
+
+
+def _implementation(module: torch.nn.Module) -> str:
+    name = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    return name if isinstance(name, str) else "eager"
+
+
+@contextmanager
+def attention_edits(edits: Mapping[torch.nn.Module, Mapping[str, Edit]]) -> Iterator[None]:
+    """Within the block, on this thread, each attention module's function runs with its edits.
+
+    `edits[module][point]`, `point` one of `ATTENTION_POINTS`: `"q"` sees the query
+    `[batch, n_heads, pos, d_head]`, `"attn_scores"` and `"pattern"` `[batch, n_heads,
+    query_pos, key_pos]` (module notes). On a clean exit, a `PatchingError` names the
+    first edited module whose function did not run through the seam.
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    mine = _EDITS.by_module
+    if any(id(module) in mine for module in edits):
+        raise RuntimeError("an attention module is edited once at a time on one thread")
+    names = sorted({_implementation(module) for module in edits})
+    with _LOCK:
+        for name in names:
+            count, before = _INSTALLED.get(name, (0, _MISSING))
+            if count == 0:
+                before = ALL_ATTENTION_FUNCTIONS._local_mapping.get(name, _MISSING)
+                own = ALL_ATTENTION_FUNCTIONS[name] if name in ALL_ATTENTION_FUNCTIONS else None
+                ALL_ATTENTION_FUNCTIONS[name] = _dispatching(own)
+            _INSTALLED[name] = (count + 1, before)
+    ran = _EDITS.ran
+    try:
+        mine.update({id(module): dict(points) for module, points in edits.items()})
+        yield
+        missed = [module for module in edits if id(module) not in ran]
+        if missed:
+            raise PatchingError(
+                f"{type(missed[0]).__name__} computes its attention without "
+                "transformers' ALL_ATTENTION_FUNCTIONS (its "
+                f"config._attn_implementation={_implementation(missed[0])!r}), so its "
+                "queries, scores and patterns cannot be reached; patch k, v, z, resid_pre, "
+                "attn_out or mlp_out instead"
+            )
+    finally:
+        for module in edits:
+            mine.pop(id(module), None)
+            ran.discard(id(module))
+        with _LOCK:
+            for name in names:
+                count, before = _INSTALLED.pop(name)
+                if count > 1:
+                    _INSTALLED[name] = (count - 1, before)
+                elif before is _MISSING:
+                    del ALL_ATTENTION_FUNCTIONS[name]
+                else:
+                    ALL_ATTENTION_FUNCTIONS[name] = before
