@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import tempfile
 
 import pytest
 import torch
 import transformers
-from bridge_models import FAMILIES, _hf_model, bridge, reference
-from hf_models import ids, run, tokenizer
+from bridge_models import FAMILIES, bridge, reference
+from hf_models import ids, run
 from packaging.version import Version
-from transformer_lens.model_bridge import TransformerBridge
+from test_patching_bridge_plain import fresh_llama_bridge
 from transformers import DynamicCache
 
 from safelens import (
@@ -414,10 +413,8 @@ def test_a_plain_model_that_fails_leaves_the_passes_on_the_bridge(monkeypatch, p
 
 
 def test_compatibility_mode_experiments_equal_the_bridges_uncached_forward():
-    with tempfile.TemporaryDirectory() as folder:
-        tokenizer().save_pretrained(folder)
-        model = TransformerBridge.boot_transformers(folder, hf_model=_hf_model("llama"))
-    model.eval().enable_compatibility_mode()
+    model = fresh_llama_bridge()
+    model.enable_compatibility_mode()
     tokens = ids(1, 9)
     last, scores, _ = experiments(model, tokens)
     full = model(tokens).log_softmax(-1)
