@@ -191,8 +191,9 @@ def _small_llama() -> torch.nn.Module:
 
 
 def ray_job(device: str) -> Check:
-    """`patch_dataset` on a Ray GPU worker beside two CPU workers, against one process."""
-    name = "Ray patch_dataset: 1 GPU worker beside 2 CPU workers"
+    """`patch_dataset` and `attribution_patch_dataset` on a Ray GPU worker beside two CPU
+    workers, against one process."""
+    name = "Ray patch_dataset, attribution: 1 GPU worker beside 2 CPU workers"
     try:
         from safelens import RayWorkers
     except (ImportError, AttributeError):
@@ -201,7 +202,7 @@ def ray_job(device: str) -> Check:
         return Check(name, "skipped", "no GPU for the GPU worker", 0.0)
     import ray
 
-    from safelens import get_act_patch_resid_pre, patch_dataset
+    from safelens import attribution_patch_dataset, get_act_patch_resid_pre, patch_dataset
 
     generator = torch.Generator().manual_seed(0)
     clean = torch.randint(1, 50, (16, 6), generator=generator)
@@ -211,8 +212,12 @@ def ray_job(device: str) -> Check:
     def metric(logits: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
         return logits[:, -1, 3] - logits[:, -1, 5]
 
+    sites = ["v", "resid_pre"]
     with torch.no_grad():
         here = patch_dataset(get_act_patch_resid_pre, _small_llama(), clean, corrupted, metric)
+    estimated = attribution_patch_dataset(
+        _small_llama(), clean, corrupted, metric, activations=sites, progress=False
+    ).estimates
     # The workers cannot import this module by name: the factory travels by value.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     ray.init(num_cpus=3, num_gpus=1, include_dashboard=False)
@@ -221,9 +226,17 @@ def ray_job(device: str) -> Check:
         cpus = RayWorkers(_small_llama, n_workers=2, num_cpus=1)
         results = [w.patch_dataset(get_act_patch_resid_pre, clean, corrupted, metric,
                                    progress=False) for w in (gpu, cpus)]  # fmt: skip
+        attributions = [w.attribution_patch_dataset(clean, corrupted, metric, activations=sites,
+                                                    progress=False) for w in (gpu, cpus)]  # fmt: skip
     finally:
         ray.shutdown()
-    diff = max(float((r.per_pair.cpu() - here.per_pair).abs().max()) for r in results)
+    diffs = [(r.per_pair - here.per_pair).abs().max() for r in results]
+    diffs += [
+        (a.estimates[site].per_pair - estimated[site].per_pair).abs().max()
+        for a in attributions
+        for site in sites
+    ]
+    diff = max(float(d) for d in diffs)
     result = "ok" if diff <= SPLIT_TOLERANCE else "FAILED"
     return Check(name, result, f"max diff {diff:.1e} vs one process", 0.0)
 

@@ -169,6 +169,37 @@ def test_patch_dataset_in_other_shards_is_within_float32_rounding(workers):
         assert difference <= 1e-6, field
 
 
+SITES = ("k", "v", "resid_pre")
+
+
+def assert_attributions_equal(ours, reference, tolerance: float = 0.0):
+    pairs = [("baseline", ours.baseline, reference.baseline)]
+    pairs += [(name, ours.estimates[name], reference.estimates[name]) for name in SITES]
+    assert list(ours.estimates) == list(reference.estimates) == list(SITES)
+    for name, mine, theirs in pairs:
+        for field in ("per_pair", "mean", "std_err", "ci_low", "ci_high"):
+            difference = (getattr(mine, field) - getattr(theirs, field)).abs().max()
+            assert difference <= tolerance, (name, field)
+
+
+def test_attribution_over_a_dataset_equals_one_process_bitwise_when_shards_are_its_chunks(
+    workers, one_thread
+):
+    clean, corrupted = pairs_of()
+    two_pairs = 2 * 4 * _pair_bytes(_backend(model("llama")), LENGTH)
+    run = functools.partial(
+        safelens.attribution_patch_dataset, model("llama"), clean, corrupted, pair_metric,
+        activations=SITES, max_bytes=two_pairs, progress=False,
+    )  # fmt: skip
+    reference = run()
+    ours = workers.attribution_patch_dataset(
+        clean, corrupted, pair_metric, activations=SITES, max_bytes=two_pairs, shard_size=2,
+        progress=False,
+    )  # fmt: skip
+    assert ours.estimates["k"].per_pair.shape == (PAIRS, 2, LENGTH, 2)
+    assert_attributions_equal(ours, reference)
+
+
 def test_continuations_and_generation_equal_a_loop_over_the_prompts(workers, one_thread):
     lm = model("llama")
     prompts = [ids(1, 4, seed=7)[0], ids(1, 6, seed=8)[0], ids(1, 3, seed=9)[0]]
@@ -253,6 +284,44 @@ def test_an_interrupted_job_resumes_computing_only_missing_shards(
     assert_results_equal(job(), reference)
     assert recomputed(control, clean) == set(range(PAIRS)) - finished
     assert_results_equal(job(), reference)  # everything finished: nothing runs
+    assert recomputed(control, clean) == set()
+
+
+def test_an_interrupted_attribution_resumes_and_refuses_a_folder_of_another_job(
+    workers, control: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    clean, corrupted = pairs_of()
+    reference = safelens.attribution_patch_dataset(
+        model("llama"), clean, corrupted, pair_metric, activations=SITES, progress=False
+    )
+    run = functools.partial(
+        workers.attribution_patch_dataset, clean, corrupted, pair_metric, shard_size=3,
+        output_dir=tmp_path, progress=False,
+    )  # fmt: skip
+    write = ShardFolder.write
+    written: list[tuple[int, int]] = []
+
+    def interrupted_write(self, span, tensors):
+        write(self, span, tensors)
+        written.append(span)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ShardFolder, "write", interrupted_write)
+    recomputed(control, clean)
+    with pytest.raises(KeyboardInterrupt):
+        run(activations=SITES)
+    monkeypatch.undo()
+    [(start, stop)] = written
+    recomputed(control, clean)
+    # Other shards than one process's chunk (all pairs): within float32 rounding.
+    assert_attributions_equal(run(activations=SITES), reference, tolerance=1e-6)
+    assert recomputed(control, clean) == set(range(PAIRS)) - set(range(start, stop))
+    with pytest.raises(JobFolderError, match=r"another job: its activations differ"):
+        run(activations=SITES[:2])
+    with pytest.raises(JobFolderError, match=r"another job: its options differ"):
+        run(activations=SITES, qk_fix=False)
+    with pytest.raises(JobFolderError, match=r"another job: its .*job.* differ"):
+        workers.patch_dataset(SWEEP, clean, corrupted, pair_metric, output_dir=tmp_path)
     assert recomputed(control, clean) == set()
 
 

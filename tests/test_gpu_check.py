@@ -23,7 +23,7 @@ def test_the_gpu_check_runs_on_the_cpu_and_prints_one_table(capsys):
     assert any(name.startswith("HF Llama: greedy generation") for name in checks)
     assert any(name.startswith("k+v attribution") for name in checks)
     assert checks["HF model split by accelerate: layers on cpu / cpu / cpu / cpu"] == "ok"
-    assert checks["Ray patch_dataset: 1 GPU worker beside 2 CPU workers"] == "skipped"
+    assert checks["Ray patch_dataset, attribution: 1 GPU worker beside 2 CPU workers"] == "skipped"
 
 
 def test_a_missing_cuda_device_is_refused(capsys):

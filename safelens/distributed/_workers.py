@@ -8,8 +8,8 @@ must be equal: each hashes its state dict, and replicas whose hashes differ (a f
 that builds random weights without a seed) are refused before any job runs. The hash is
 also the model's part of every job's fingerprint.
 
-Its methods are the one-process functions over many items: `patch_dataset` over prompt
-pairs, `score_continuations` and `generate` over many prompts. Each equals its
+Its methods are the one-process functions over many items: `patch_dataset` and
+`attribution_patch_dataset` over prompt pairs, `score_continuations` and `generate` over many prompts. Each equals its
 one-process loop (see each method), returns its tensors on the driver's CPU, shows one
 progress bar, and with `output_dir` writes every finished shard there, so that a job
 run again with the same folder computes only what is missing (see
@@ -34,8 +34,11 @@ from ..core._arguments import is_int, positive_int
 from ..core._errors import WorkerError
 from ..experiments._continuations import ContinuationScores
 from ..experiments._generation import Generation
-from ..patching._dataset import PatchingResult
+from ..patching._attribution import _HEAD_SITES, Activation
+from ..patching._attribution_dataset import AttributionDatasetResult
+from ..patching._dataset import PairMetric, PatchingResult
 from ..patching._limits import DEFAULT_MAX_BYTES
+from ._attribution_job import attribution_job, attribution_result
 from ._job import ShardedJob, run_job
 from ._model_source import model_source
 from ._patching_job import patching_job, patching_result
@@ -252,6 +255,43 @@ class RayWorkers:
         )  # fmt: skip
         shards = self.run(job, shard_size, output_dir, progress)
         return patching_result(shards, n_bootstrap, confidence, seed)
+
+    def attribution_patch_dataset(
+        self,
+        clean_tokens: Any,
+        corrupted_tokens: Any,
+        metric: PairMetric,
+        *,
+        activations: Sequence[Activation] = _HEAD_SITES,
+        qk_fix: bool = True,
+        n_bootstrap: int = 1000,
+        confidence: float = 0.95,
+        seed: int = 0,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        shard_size: int | None = None,
+        output_dir: str | os.PathLike[str] | None = None,
+        progress: bool = True,
+    ) -> AttributionDatasetResult:
+        """[`attribution_patch_dataset`][safelens.attribution_patch_dataset] with its pairs
+        sharded on the workers.
+
+        Arguments as `attribution_patch_dataset`'s (`model` is the workers'), and
+        `shard_size` (pairs per shard, never more than one of its chunks of `max_bytes`)
+        and `output_dir` as in `patch_dataset`. The `metric` travels pickled.
+
+        **Returns:** the [`AttributionDatasetResult`][safelens.AttributionDatasetResult]
+        `attribution_patch_dataset` gives with the same arguments, on the CPU: bitwise
+        equal where each shard is one of its chunks, else within float32 rounding.
+
+        **Raises:** what `attribution_patch_dataset` raises, before anything runs where
+        it can (options, token ids, activations, `qk_fix`); what `run_job` raises.
+        """
+        job = attribution_job(
+            self, clean_tokens, corrupted_tokens, metric, activations, qk_fix,
+            n_bootstrap, confidence, seed, max_bytes, progress,
+        )  # fmt: skip
+        shards = self.run(job, shard_size, output_dir, progress)
+        return attribution_result(shards, activations, n_bootstrap, confidence, seed)
 
     def score_continuations(
         self,

@@ -25,9 +25,9 @@ import torch
 from jaxtyping import Int
 from tqdm import tqdm
 
-from ..backends._backend import backend_of
+from ..backends._backend import Backend, backend_of
 from ..experiments._prefix import token_limits
-from ._attribution import _HEAD_SITES, Activation, effects, plan
+from ._attribution import _HEAD_SITES, Activation, Plan, effects, plan
 from ._attribution_pass import corrupted_pass
 from ._dataset import (
     PairMetric,
@@ -126,29 +126,61 @@ def attribution_patch_dataset(
     clean, corrupted = clean.to(backend.device), corrupted.to(backend.device)
     chosen = plan(model, activations, qk_fix, None, corrupted, "attribution_patch_dataset")
     pairs, length = clean.shape
-    chunk = max(1, min(pairs, max_bytes // (_GRAPH_FACTOR * _pair_bytes(backend, length))))
+    chunk = pairs_per_attribution_chunk(backend, pairs, length, max_bytes)
     baselines: list[torch.Tensor] = []
     grids: dict[str, list[torch.Tensor]] = {name: [] for name in chosen.activations}
     with tqdm(total=pairs, disable=not progress, desc="pairs") as bar:
         for start in range(0, pairs, chunk):
             rows = torch.arange(start, min(start + chunk, pairs), device=clean.device)
-            some_clean, some_corrupted = lone_pair_doubled(backend, clean[rows], corrupted[rows])
-            batch_rows = rows.repeat(some_clean.shape[0] // rows.numel())
-            reads = corrupted_pass(
-                backend,
-                some_corrupted,
-                chosen.reads(),
-                functools.partial(_scored, metric, batch_rows),
-                rows=batch_rows.numel(),
-            )
-            value = reads.value.reshape(-1).double()
-            baselines.append(value[: rows.numel()])
-            clean_cache = clean_cache_of(backend, some_clean, chosen.clean_names())
-            found = effects(chosen, reads, clean_cache)
-            for name, effect in found.items():
-                shaped = value.reshape(-1, *[1] * (effect.dim() - 1))
-                grids[name].append((effect + shaped)[: rows.numel()])
+            baseline, found = attribution_chunk(chosen, metric, clean[rows], corrupted[rows], rows)
+            baselines.append(baseline)
+            for name, grid in found.items():
+                grids[name].append(grid)
             bar.update(rows.numel())
+    return attribution_summary(baselines, grids, n_bootstrap, confidence, seed)
+
+
+def pairs_per_attribution_chunk(backend: Backend, pairs: int, length: int, max_bytes: int) -> int:
+    """How many pairs of `length` tokens one chunk (clean cache and graph) takes."""
+    return max(1, min(pairs, max_bytes // (_GRAPH_FACTOR * _pair_bytes(backend, length))))
+
+
+def attribution_chunk(
+    chosen: Plan,
+    metric: PairMetric,
+    clean: Int[torch.Tensor, "rows pos"],
+    corrupted: Int[torch.Tensor, "rows pos"],
+    rows: Int[torch.Tensor, " rows"],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One chunk's pairs (`rows`, their indices): the corrupted metric `[rows]` and each
+    activation's estimated grids `[rows, *grid]`, in float64."""
+    backend = chosen.backend
+    some_clean, some_corrupted = lone_pair_doubled(backend, clean, corrupted)
+    batch_rows = rows.repeat(some_clean.shape[0] // rows.numel())
+    reads = corrupted_pass(
+        backend,
+        some_corrupted,
+        chosen.reads(),
+        functools.partial(_scored, metric, batch_rows),
+        rows=batch_rows.numel(),
+    )
+    value = reads.value.reshape(-1).double()
+    clean_cache = clean_cache_of(backend, some_clean, chosen.clean_names())
+    grids = {}
+    for name, effect in effects(chosen, reads, clean_cache).items():
+        shaped = value.reshape(-1, *[1] * (effect.dim() - 1))
+        grids[name] = (effect + shaped)[: rows.numel()]
+    return value[: rows.numel()], grids
+
+
+def attribution_summary(
+    baselines: list[torch.Tensor],
+    grids: dict[str, list[torch.Tensor]],
+    n_bootstrap: int,
+    confidence: float,
+    seed: int,
+) -> AttributionDatasetResult:
+    """The result from the chunks' baselines and grids, in pair order."""
     stats = (n_bootstrap, confidence, seed)
     return AttributionDatasetResult(
         _summary(torch.cat(baselines).float(), *stats),

@@ -1,0 +1,131 @@
+"""`attribution_patch_dataset` as a sharded job: each shard is one chunk of pairs.
+
+A shard runs `attribution_patch_dataset`'s own chunk on its pairs (one corrupted forward
+and backward pass, one clean cache), so a shard holding the pairs of one of its chunks
+gives its per-pair estimates bitwise. The driver concatenates the shards' baselines and
+grids and summarises them as `attribution_patch_dataset` does, with the same seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..backends._backend import backend_of
+from ..core._errors import PatchingError
+from ..patching._attribution import check_activations, plan
+from ..patching._attribution_dataset import (
+    AttributionDatasetResult,
+    attribution_chunk,
+    attribution_summary,
+    pairs_per_attribution_chunk,
+)
+from ..patching._dataset import PairMetric, check_options, pair_tokens
+from ._fingerprint import describe, tensor_digest
+from ._job import ShardedJob
+
+if TYPE_CHECKING:
+    from ._workers import RayWorkers
+
+__all__ = ["attribution_job", "attribution_result"]
+
+_WHAT = "attribution_patch_dataset"
+_BASELINE = "baseline"  # a shard's corrupted metric; its grids are named by activation
+
+
+def _checked_chunk_size(
+    model: Any,
+    activations: Any,
+    qk_fix: Any,
+    corrupted: torch.Tensor,
+    pairs: int,
+    max_bytes: int,
+) -> int:
+    """On a worker: the activations and `qk_fix` checked against the model (what
+    `attribution_patch_dataset` refuses), then the pairs one of its chunks takes."""
+    device = backend_of(model, _WHAT).device
+    chosen = plan(model, activations, qk_fix, None, corrupted.to(device), _WHAT)
+    return pairs_per_attribution_chunk(chosen.backend, pairs, corrupted.shape[1], max_bytes)
+
+
+def _attribution_shard(
+    model: Any,
+    activations: Sequence[str],
+    qk_fix: bool,
+    clean: torch.Tensor,
+    corrupted: torch.Tensor,
+    metric: PairMetric,
+    start: int,
+) -> dict[str, torch.Tensor]:
+    """On a worker: the baselines and grids of pairs `start`, `start + 1`, … (one chunk)."""
+    device = backend_of(model, _WHAT).device
+    clean, corrupted = clean.to(device), corrupted.to(device)
+    chosen = plan(model, activations, qk_fix, None, corrupted, _WHAT)
+    rows = torch.arange(start, start + clean.shape[0], device=device)
+    baseline, grids = attribution_chunk(chosen, metric, clean, corrupted, rows)
+    return {_BASELINE: baseline, **grids}
+
+
+def attribution_job(
+    workers: RayWorkers,
+    clean_tokens: Any,
+    corrupted_tokens: Any,
+    metric: PairMetric,
+    activations: Any,
+    qk_fix: Any,
+    n_bootstrap: int,
+    confidence: float,
+    seed: int,
+    max_bytes: int,
+    progress: bool,
+) -> ShardedJob:
+    """The sharded job of `attribution_patch_dataset`, its arguments checked first."""
+    check_options(n_bootstrap, confidence, seed, max_bytes, progress)
+    if not callable(metric):
+        raise PatchingError(f"metric must be a function, got {type(metric).__name__}")
+    activations = check_activations(activations)
+    clean, corrupted = pair_tokens(workers.limits, clean_tokens, corrupted_tokens)
+    clean, corrupted = clean.long().cpu(), corrupted.long().cpu()
+    pairs = clean.shape[0]
+    chunk = workers.call(_checked_chunk_size, activations, qk_fix, corrupted[:1], pairs, max_bytes)
+
+    def inputs(start: int, stop: int) -> tuple[Any, ...]:
+        return (activations, qk_fix, clean[start:stop], corrupted[start:stop], metric, start)
+
+    fingerprint = {
+        "job": _WHAT,
+        "model": workers.model_identity,
+        "clean_tokens": tensor_digest(clean),
+        "corrupted_tokens": tensor_digest(corrupted),
+        "metric": describe(metric),
+        "activations": describe(activations),
+        "options": describe(
+            dict(
+                qk_fix=qk_fix,
+                n_bootstrap=n_bootstrap,
+                confidence=confidence,
+                seed=seed,
+                max_bytes=max_bytes,
+            )
+        ),  # fmt: skip
+    }
+    return ShardedJob("pairs", pairs, _attribution_shard, inputs, fingerprint, chunk)
+
+
+def attribution_result(
+    shards: list[dict[str, torch.Tensor]],
+    activations: Sequence[str],
+    n_bootstrap: int,
+    confidence: float,
+    seed: int,
+) -> AttributionDatasetResult:
+    """`attribution_patch_dataset`'s result from the shards' baselines and grids."""
+    return attribution_summary(
+        [shard[_BASELINE] for shard in shards],
+        {name: [shard[name] for shard in shards] for name in check_activations(activations)},
+        n_bootstrap,
+        confidence,
+        seed,
+    )
