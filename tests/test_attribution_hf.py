@@ -71,7 +71,12 @@ def projections(lm, layer: torch.nn.Module) -> tuple[dict[str, torch.nn.Module],
 
 
 def reference(lm, tokens: torch.Tensor) -> tuple[torch.Tensor, dict, dict]:
-    """The metric, activations and gradients of one plain uncached forward, by site."""
+    """The metric, activations and gradients of one plain uncached forward, by site.
+
+    Runs on a copy: `output_attentions` makes transformers install output-capturing hooks
+    on the model for good, which the other tests' checks for left-over hooks would see.
+    """
+    lm = copy.deepcopy(lm)
     kept: dict[tuple[str, int], torch.Tensor] = {}
     handles = []
 

@@ -21,7 +21,7 @@ from packaging.version import Version
 from transformers import DynamicCache
 from transformers.cache_utils import CacheLayerMixin
 
-from safelens import CacheConfigError, CacheShapeError, FrozenCacheError, HookError
+from safelens import CacheConfigError, CacheDimensions, CacheShapeError, FrozenCacheError, HookError
 from safelens.backends.hf._cache import HFKeyValueCache
 from safelens.backends.hf._model import hf_cache_argument
 
@@ -737,3 +737,25 @@ def test_torch_export_runs_as_with_dynamic_cache(frozen):
     if not frozen:
         for mine, hf in zip(result.layers, expected.past_key_values.layers, strict=True):
             assert torch.equal(mine.keys, hf.keys) and torch.equal(mine.values, hf.values)
+
+
+@pytest.mark.parametrize(
+    ("config", "kv_heads"),
+    [
+        (transformers.FalconConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=2), 1),
+        (
+            transformers.FalconConfig(
+                hidden_size=32, num_attention_heads=4, num_hidden_layers=2, multi_query=False
+            ),
+            4,
+        ),
+        (transformers.GPTBigCodeConfig(n_embd=32, n_head=4, n_layer=2), 1),
+    ],
+)
+def test_multi_query_configs_have_the_key_value_heads_their_attention_caches(config, kv_heads):
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    cache = transformers.DynamicCache()
+    argument = hf_cache_argument(model)
+    model(torch.zeros(1, 3, dtype=torch.long), **{argument: cache}, use_cache=True)
+    assert cache.layers[0].keys.shape[1] == kv_heads
+    assert CacheDimensions.of(config).n_kv_heads == kv_heads

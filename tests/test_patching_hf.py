@@ -358,7 +358,7 @@ def test_sweeps_name_a_clean_cache_that_does_not_fit():
     sweep = safelens.get_act_patch_attn_head_k_by_pos
     with pytest.raises(PatchingError, match=r"clean_cache has no activation 'model.layers.0.kv_"):
         sweep(lm, corrupted, {}, batched(1), progress=False)
-    with pytest.raises(PatchingError, match=r"expected \[batch=1 or 1, 2, 5, 8\].*same length"):
+    with pytest.raises(PatchingError, match=r"expected \[batch=1, 2, 5, 8\].*same length"):
         sweep(lm, corrupted[:, :5], clean_cache, batched(1), progress=False)
     with pytest.raises(PatchingError, match="max_batch"):
         sweep(lm, corrupted, clean_cache, batched(1), max_batch=0)

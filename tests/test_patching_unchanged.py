@@ -128,9 +128,9 @@ def seam_runs(monkeypatch):
     counted = []
     plan = _hf_sweeps._passes
 
-    def spy(backend, site, shortcuts, runs, length, batch):
+    def spy(backend, site, shortcuts, runs, *rest):
         counted.extend(runs)
-        return plan(backend, site, shortcuts, runs, length, batch)
+        return plan(backend, site, shortcuts, runs, *rest)
 
     monkeypatch.setattr(_hf_sweeps, "_passes", spy)
     return counted

@@ -127,6 +127,12 @@ class CacheDimensions:
         _, n_layers = _required(cfg, _LAYERS, "layer count")
         heads = _size(cfg, _HEADS, "head count")
         kv_heads = _size(cfg, _KV_HEADS, "key/value head count")
+        if getattr(cfg, "multi_query", False) is True and not getattr(
+            cfg, "new_decoder_architecture", False
+        ):
+            # Multi-query attention (Falcon's older layout, GPTBigCode): one key/value head,
+            # whatever `num_kv_heads` says.
+            kv_heads = ("multi_query", 1)
         if heads is not None and kv_heads is not None and heads[1] % kv_heads[1]:
             raise CacheConfigError(
                 f"cfg of type {kind} has {kv_heads[0]}={kv_heads[1]}, which does not divide "

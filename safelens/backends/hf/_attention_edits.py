@@ -114,7 +114,11 @@ def _edited(
             f"{unknown[0] if unknown else 'positional arguments'} that safelens' eager "
             "attention does not compute with; its scores and patterns cannot be patched"
         )
-    return _eager(module, query, key, value, attention_mask, edits, **kwargs)
+    output, pattern, changed = _eager(module, query, key, value, attention_mask, edits, **kwargs)
+    if not changed:
+        # Scores and pattern only read: the layer's output is the model's own, bitwise.
+        return function(module, query, key, value, attention_mask, **kwargs)
+    return output, pattern
 
 
 def _eager(
@@ -128,8 +132,12 @@ def _eager(
     softcap: float | None = None,
     is_causal: bool | None = None,
     **ignored: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention computed here, with its scores and pattern edited (module notes)."""
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Attention computed here, with its scores and pattern edited (module notes).
+
+    Also returns whether an edit changed the scores or the pattern (returned another
+    tensor or wrote into it), or only read them.
+    """
     groups = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(groups, dim=1)
     value = value.repeat_interleave(groups, dim=1)
@@ -149,13 +157,24 @@ def _eager(
         scores = scores.masked_fill(~attention_mask[..., : key.shape[-2]], floor)
     else:
         scores = scores + attention_mask[..., : key.shape[-2]]
+    changed = False
     if "attn_scores" in edits:
-        scores = _applied(edits["attn_scores"], scores)
+        scores, changed = _read_or_edited(edits["attn_scores"], scores)
     pattern = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     if "pattern" in edits:
-        pattern = _applied(edits["pattern"], pattern)
+        pattern, edited = _read_or_edited(edits["pattern"], pattern)
+        changed |= edited
     output = torch.matmul(pattern, value).transpose(1, 2).contiguous()
-    return output, pattern
+    return output, pattern, changed
+
+
+def _read_or_edited(edit: Edit, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """What `edit` makes of `tensor`, and whether it changed it (in place counts)."""
+    version = tensor._version
+    result = edit(tensor)
+    if result is None:
+        return tensor, tensor._version != version
+    return result, result is not tensor or tensor._version != version
 
 
 def _implementation(module: torch.nn.Module) -> str:
