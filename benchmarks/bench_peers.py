@@ -221,7 +221,7 @@ class _Nnsight:
                 clean_saved[layer, name] = self.read(activation, layer).save()
         saved: dict[tuple[int, str], torch.Tensor] = {}
         grads: dict[tuple[int, str], torch.Tensor] = {}
-        with self.lm.trace(corrupted):
+        with torch.enable_grad(), self.lm.trace(corrupted):
             for (layer, name), activation in reads.items():
                 saved[layer, name] = self.read(activation, layer).save()
             value = _metric(self.lm.lm_head.output[0, -1])

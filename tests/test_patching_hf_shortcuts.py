@@ -19,7 +19,7 @@ import pytest
 import torch
 from bridge_models import bridge
 from hf_models import ids, model, run
-from test_patching_hf import ANSWER, TOL, WRONG, reference
+from test_patching_hf import ANSWER, TOL, WRONG, _own_hooks, reference
 from transformer_lens import patching
 
 import safelens
@@ -93,7 +93,7 @@ def hooks_of(lm) -> dict[str, tuple[list, list]]:
 
 def assert_left_as_found(lm, hooks: dict | None = None) -> None:
     if hooks is None:
-        assert all(not m._forward_hooks and not m._forward_pre_hooks for m in lm.modules())
+        assert not any(_own_hooks(m) for m in lm.modules())
     else:
         assert hooks_of(lm) == hooks
     assert all("forward" not in m.__dict__ for m in lm.modules())

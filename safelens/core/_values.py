@@ -68,7 +68,7 @@ def check_numbers(value: Any, what: str) -> None:
     >>> check_numbers([["a"]], "keys")
     Traceback (most recent call last):
     ...
-    safelens.core._errors.CacheShapeError: keys[0][0] is str 'a'; keys must be numbers: a tensor, a numpy array or nested lists of numbers
+    safelens.CacheShapeError: keys[0][0] is str 'a'; keys must be numbers: a tensor, a numpy array or nested lists of numbers
 
     ```
     """
