@@ -70,7 +70,8 @@ def test_generate_refuses_a_frozen_cache_and_a_fork_gives_dynamic_cache_tokens(n
 def test_nnsight_generate_refuses_a_frozen_cache_and_runs_on_a_fork(mode):
     from nnsight import TransformersModel  # LanguageModel's name since nnsight 0.8
 
-    lm, prompt = model("llama", layers=4), ids(1, 9)
+    # A copy: nnsight's wrapper leaves its own `forward` on every module of the model.
+    lm, prompt = copy.deepcopy(model("llama", layers=4)), ids(1, 9)
     wrapped = TransformersModel(lm, task="text-generation", tokenizer=tokenizer())
     prefix, dynamic = prefixes("llama", prompt[:, :6])
     before = state(prefix)
