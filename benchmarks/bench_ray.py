@@ -84,7 +84,7 @@ def run(quick: bool = False) -> list[Row]:
     import ray
 
     hidden, layers, length = (64, 2, 8) if quick else (256, 4, 16)
-    repeats = 1 if quick else 2
+    repeats = 1 if quick else 5
     factory = functools.partial(build_model, hidden, layers)
     clean, corrupted = _pairs(length)
     sweep = safelens.get_act_patch_resid_pre

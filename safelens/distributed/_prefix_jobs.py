@@ -43,6 +43,8 @@ __all__ = [
 
 # Tensors a shard file's header lists at most about 1500 (256 KiB); three per prompt.
 _MAX_PROMPTS_PER_SHARD = 256
+# Prompts run one by one, so small shards cost nothing and even out unequal lengths.
+_SHARDS_PER_WORKER = 4
 
 
 def token_limits_of(model: Any) -> SimpleNamespace:
@@ -123,9 +125,8 @@ def continuations_job(
         "continuations": describe(scored),
         "options": describe(dict(batch_size=batch_size, memory_budget=memory_budget)),
     }
-    return ShardedJob(
-        "prompts", len(rows), _score_shard, inputs, fingerprint, _MAX_PROMPTS_PER_SHARD
-    )
+    size = (_MAX_PROMPTS_PER_SHARD, _SHARDS_PER_WORKER)
+    return ShardedJob("prompts", len(rows), _score_shard, inputs, fingerprint, *size)
 
 
 def continuations_result(
@@ -189,9 +190,8 @@ def generation_job(
         "prompts": describe(rows),
         "options": describe(dict(options, max_new_tokens=max_new_tokens, seed=seed)),
     }
-    return ShardedJob(
-        "prompts", len(rows), _generate_shard, inputs, fingerprint, _MAX_PROMPTS_PER_SHARD
-    )
+    size = (_MAX_PROMPTS_PER_SHARD, _SHARDS_PER_WORKER)
+    return ShardedJob("prompts", len(rows), _generate_shard, inputs, fingerprint, *size)
 
 
 def generation_result(shards: list[dict[str, torch.Tensor]], prompts: int) -> list[Generation]:

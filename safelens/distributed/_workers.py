@@ -238,8 +238,8 @@ class RayWorkers:
         """[`patch_dataset`][safelens.patch_dataset] with its pairs sharded on the workers.
 
         Arguments as `patch_dataset`'s (`model` is the workers'), and `shard_size` (pairs
-        per shard: by default the pairs split in 4 shards per worker, and never more than
-        one `patch_dataset` chunk of `max_bytes`) and `output_dir` (a folder for the
+        per shard: by default one shard per worker, never more than one `patch_dataset`
+        chunk of `max_bytes`) and `output_dir` (a folder for the
         finished shards, to resume from). The `sweep` and `metric` travel pickled.
 
         **Returns:** the [`PatchingResult`][safelens.PatchingResult] `patch_dataset` gives
