@@ -212,8 +212,10 @@ def select_cache_hooks(backend: Backend, names: NamesFilter) -> list[str]:
 @contextmanager
 def attach_hooks(backend: Backend, cache: HFKeyValueCache, fwd_hooks: FwdHooks) -> Iterator[None]:
     """Attach `fwd_hooks` (module and cache names) for the block, inside `cache.guard()`."""
-    modules = dict(backend.model.named_modules())
-    resolved = [(_resolve(backend, names, modules=modules), fn) for names, fn in _pairs(fwd_hooks)]
+    # Listing the model's modules costs as much as a small pass's arithmetic: only for hooks.
+    pairs = _pairs(fwd_hooks)
+    modules = dict(backend.model.named_modules()) if pairs else {}
+    resolved = [(_resolve(backend, names, modules=modules), fn) for names, fn in pairs]
     module_points = [
         (modules[name], _ModuleHook(ModuleHookPoint(name, modules[name]), fn))
         for (module_names, _), fn in resolved
