@@ -297,27 +297,31 @@ def figure(model, corrupted, clean_cache, metric, path: Path, labels=None, title
     fig.savefig(path, dpi=110)
 
 
+_HEADER = (
+    "| grid, method | Spearman | Spearman, cells with effect | recall@20 | recall@50 | "
+    "cells with effect | max abs error | max abs effect |"
+)
+
+
 def _print_agreement(label: str, table: dict[str, dict]) -> None:
+    """One markdown table: `label` as its heading, a row per grid."""
+    print(f"\n**{label}**\n\n{_HEADER}\n" + "| --- " * 8 + "|", flush=True)
     for name, values in table.items():
         cells = " | ".join(
             f"{value:.3g}" if isinstance(value, float) else "—" if value is None else str(value)
             for value in values.values()
         )
-        print(f"| {label} | {name} | {cells} |", flush=True)
+        print(f"| {name} | {cells} |", flush=True)
 
 
 def accuracy(quick: bool = False, figures: Path | None = None) -> None:
-    """Print the agreement table (a markdown row per grid); draw the heatmaps into `figures`.
+    """Print the agreement tables (one per model, a markdown row per grid); draw the
+    heatmaps into `figures`.
 
     The trained models are the demo's (trained in full even when `quick`: about 10 s for
     the HookedTransformer, longer for the HuggingFace Llama, which `quick` leaves out).
     """
     model, case, labels = demo_task()
-    print(
-        "| model | grid, method | Spearman | Spearman, cells with effect | recall@20 | "
-        "recall@50 | cells with effect | max abs error | max abs effect |"
-    )
-    print("| --- " * 9 + "|")
     sites = ("k", "v") if quick else ATTENTION_ONLY
     _print_agreement("trained induction (demo)", agreement(model, *case, sites))
     if not quick:
