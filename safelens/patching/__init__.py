@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..experiments._metrics import logit_diff_metric
     from ._attribution import AttributionResult, attribution_patch
+    from ._attribution_dataset import AttributionDatasetResult, attribution_patch_dataset
     from ._dataset import PatchingResult, patch_dataset
     from ._every import (
         get_act_patch_attn_head_all_pos_every,
@@ -106,6 +107,7 @@ _LAZY_MODULES = {
         "make_df_from_ranges",
     ),
     "._attribution": ("attribution_patch", "AttributionResult"),
+    "._attribution_dataset": ("attribution_patch_dataset", "AttributionDatasetResult"),
     "._dataset": ("patch_dataset", "PatchingResult"),
     "._hf_sites": ("run_with_patching_cache",),
     "._plotting": ("plot_patching_heatmap",),
@@ -142,6 +144,8 @@ __all__ = [
     "make_df_from_ranges",
     "attribution_patch",
     "AttributionResult",
+    "attribution_patch_dataset",
+    "AttributionDatasetResult",
     "patch_dataset",
     "PatchingResult",
     "run_with_patching_cache",
