@@ -47,7 +47,7 @@ from __future__ import annotations
 import argparse
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -416,25 +416,34 @@ def attribution_rows(family: str, model: torch.nn.Module, length: int, sizes: Si
     return rows
 
 
-def run(quick: bool = False) -> list[Row]:
-    """Every grid against both peers, on both families, at every length of the mode."""
+def rows(quick: bool = False) -> Iterator[Row]:
+    """Every grid against both peers, on both families, at every length of the mode, and
+    the attribution rows, as they are measured.
+
+    Attribution runs on a model of its own: pyvene freezes the parameters of a model it
+    wraps (`requires_grad = False`), after which nnsight's gradients would have nothing
+    to flow from.
+    """
     sizes = QUICK if quick else FULL
-    rows = []
     for family in ("llama", "gpt2"):
+        yield from attribution_rows(family, model_of(family, sizes), sizes.lengths[0], sizes)
         model = model_of(family, sizes)
         for length in sizes.lengths:
-            rows.extend(grid_rows(family, model, length, sizes))
-        rows.extend(attribution_rows(family, model, sizes.lengths[0], sizes))
-    return rows
+            yield from grid_rows(family, model, length, sizes)
+
+
+def run(quick: bool = False) -> list[Row]:
+    """`rows`, all of them."""
+    return list(rows(quick))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short run for development")
     args = parser.parse_args()
-    print(f"{'job':<70} {'ratio':>8}  agree  note")
-    for row in run(quick=args.quick):
-        print(f"{row.job:<70} {row.ratio:>7.2f}×  {str(row.agree):<5}  {row.note}")
+    print(f"{'job':<110} {'ratio':>8}  agree  note", flush=True)
+    for row in rows(quick=args.quick):
+        print(f"{row.job:<110} {row.ratio:>7.2f}×  {str(row.agree):<5}  {row.note}", flush=True)
 
 
 if __name__ == "__main__":

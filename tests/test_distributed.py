@@ -36,7 +36,7 @@ from safelens import (
 from safelens.distributed._fingerprint import describe, model_identity
 from safelens.distributed._model_source import ModelSource, model_source
 from safelens.distributed._shard_folder import ShardFolder
-from safelens.patching._dataset import _backend, _pair_bytes
+from safelens.patching._dataset import dataset_backend, pair_bytes
 
 ray = pytest.importorskip("ray")
 
@@ -148,7 +148,7 @@ def assert_results_equal(ours: safelens.PatchingResult, reference: safelens.Patc
 
 def test_patch_dataset_equals_one_process_bitwise_when_shards_are_its_chunks(workers, one_thread):
     clean, corrupted = pairs_of()
-    two_pairs = 2 * _pair_bytes(_backend(model("llama")), LENGTH)
+    two_pairs = 2 * pair_bytes(dataset_backend(model("llama")), LENGTH)
     reference = patch_dataset(
         SWEEP, model("llama"), clean, corrupted, pair_metric, max_bytes=two_pairs, progress=False
     )
@@ -186,7 +186,7 @@ def test_attribution_over_a_dataset_equals_one_process_bitwise_when_shards_are_i
     workers, one_thread
 ):
     clean, corrupted = pairs_of()
-    two_pairs = 2 * 4 * _pair_bytes(_backend(model("llama")), LENGTH)
+    two_pairs = 2 * 4 * pair_bytes(dataset_backend(model("llama")), LENGTH)
     run = functools.partial(
         safelens.attribution_patch_dataset, model("llama"), clean, corrupted, pair_metric,
         activations=SITES, max_bytes=two_pairs, progress=False,
@@ -255,7 +255,7 @@ def test_an_interrupted_job_resumes_computing_only_missing_shards(
     workers, control: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread
 ):
     clean, corrupted = pairs_of()
-    two_pairs = 2 * _pair_bytes(_backend(model("llama")), LENGTH)
+    two_pairs = 2 * pair_bytes(dataset_backend(model("llama")), LENGTH)
     reference = patch_dataset(
         SWEEP, model("llama"), clean, corrupted, pair_metric, max_bytes=two_pairs, progress=False
     )

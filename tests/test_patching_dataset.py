@@ -87,9 +87,9 @@ def test_chunks_under_a_small_memory_budget_give_the_same_values() -> None:
 def test_bootstrap_interval_matches_an_independent_resampling() -> None:
     generator = np.random.default_rng(0)
     values = torch.from_numpy(generator.normal(size=(40, 3, 2))).float()
-    from safelens.patching._dataset import _summary
+    from safelens.patching._dataset import summary
 
-    result = _summary(values, n_bootstrap=4000, confidence=0.9, seed=0)
+    result = summary(values, n_bootstrap=4000, confidence=0.9, seed=0)
     draws = generator.integers(0, 40, size=(4000, 40))
     means = values.numpy()[draws].mean(1)
     low, high = np.quantile(means, [0.05, 0.95], axis=0)
@@ -98,7 +98,7 @@ def test_bootstrap_interval_matches_an_independent_resampling() -> None:
     assert np.all(np.abs(result.ci_low.numpy() - low) < 0.1 * width)
     assert np.all(np.abs(result.ci_high.numpy() - high) < 0.1 * width)
     assert torch.all(result.ci_low < result.mean) and torch.all(result.mean < result.ci_high)
-    again = _summary(values, n_bootstrap=4000, confidence=0.9, seed=0)
+    again = summary(values, n_bootstrap=4000, confidence=0.9, seed=0)
     assert torch.equal(again.ci_low, result.ci_low)
 
 

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..backends._backend import backend_of
-from ..core._errors import PatchingError
 from ..patching._attribution import check_activations, plan
 from ..patching._attribution_dataset import (
     AttributionDatasetResult,
@@ -22,9 +21,9 @@ from ..patching._attribution_dataset import (
     attribution_summary,
     pairs_per_attribution_chunk,
 )
-from ..patching._dataset import PairMetric, check_options, pair_tokens
-from ._fingerprint import describe, tensor_digest
+from ..patching._dataset import PairMetric
 from ._job import ShardedJob
+from ._pairs import checked_pairs, pairs_fingerprint
 
 if TYPE_CHECKING:
     from ._workers import RayWorkers
@@ -82,35 +81,24 @@ def attribution_job(
     progress: bool,
 ) -> ShardedJob:
     """The sharded job of `attribution_patch_dataset`, its arguments checked first."""
-    check_options(n_bootstrap, confidence, seed, max_bytes, progress)
-    if not callable(metric):
-        raise PatchingError(f"metric must be a function, got {type(metric).__name__}")
+    clean, corrupted = checked_pairs(
+        workers, clean_tokens, corrupted_tokens, {"metric": metric},
+        n_bootstrap, confidence, seed, max_bytes, progress,
+    )  # fmt: skip
     activations = check_activations(activations)
-    clean, corrupted = pair_tokens(workers.limits, clean_tokens, corrupted_tokens)
-    clean, corrupted = clean.long().cpu(), corrupted.long().cpu()
     pairs = clean.shape[0]
     chunk = workers.call(_checked_chunk_size, activations, qk_fix, corrupted[:1], pairs, max_bytes)
 
     def inputs(start: int, stop: int) -> tuple[Any, ...]:
         return (activations, qk_fix, clean[start:stop], corrupted[start:stop], metric, start)
 
-    fingerprint = {
-        "job": _WHAT,
-        "model": workers.model_identity,
-        "clean_tokens": tensor_digest(clean),
-        "corrupted_tokens": tensor_digest(corrupted),
-        "metric": describe(metric),
-        "activations": describe(activations),
-        "options": describe(
-            dict(
-                qk_fix=qk_fix,
-                n_bootstrap=n_bootstrap,
-                confidence=confidence,
-                seed=seed,
-                max_bytes=max_bytes,
-            )
-        ),  # fmt: skip
-    }
+    options = dict(
+        qk_fix=qk_fix, n_bootstrap=n_bootstrap, confidence=confidence, seed=seed,
+        max_bytes=max_bytes,
+    )  # fmt: skip
+    fingerprint = pairs_fingerprint(
+        workers, _WHAT, clean, corrupted, metric, options, activations=activations
+    )
     return ShardedJob("pairs", pairs, _attribution_shard, inputs, fingerprint, chunk)
 
 

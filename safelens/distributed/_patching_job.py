@@ -14,18 +14,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..core._errors import PatchingError
 from ..patching._dataset import (
     PatchingResult,
-    _backend,
-    _chunk,
-    _summary,
-    check_options,
-    pair_tokens,
+    dataset_backend,
     pairs_per_chunk,
+    patched_chunk,
+    summary,
 )
-from ._fingerprint import describe, tensor_digest
 from ._job import ShardedJob
+from ._pairs import checked_pairs, pairs_fingerprint
 
 if TYPE_CHECKING:
     from ._workers import RayWorkers
@@ -35,7 +32,7 @@ __all__ = ["patching_job", "patching_result"]
 
 def _chunk_size(model: Any, pairs: int, length: int, max_bytes: int) -> int:
     """On a worker: the pairs `patch_dataset` puts in one chunk."""
-    return pairs_per_chunk(_backend(model), pairs, length, max_bytes)
+    return pairs_per_chunk(dataset_backend(model), pairs, length, max_bytes)
 
 
 def _patch_shard(
@@ -49,10 +46,10 @@ def _patch_shard(
     max_bytes: int,
 ) -> dict[str, torch.Tensor]:
     """On a worker: the per-pair values of pairs `start`, `start + 1`, … (one chunk)."""
-    backend = _backend(model)
+    backend = dataset_backend(model)
     clean, corrupted = clean.to(backend.device), corrupted.to(backend.device)
     rows = torch.arange(start, start + clean.shape[0], device=backend.device)
-    values = _chunk(sweep, backend, clean, corrupted, metric, rows, max_batch, max_bytes)
+    values = patched_chunk(sweep, backend, clean, corrupted, metric, rows, max_batch, max_bytes)
     return {"per_pair": values}
 
 
@@ -70,12 +67,11 @@ def patching_job(
     progress: bool,
 ) -> ShardedJob:
     """The sharded job of `patch_dataset`, its arguments checked on the driver."""
-    check_options(n_bootstrap, confidence, seed, max_bytes, progress)
-    for value, name in ((sweep, "sweep"), (metric, "metric")):
-        if not callable(value):
-            raise PatchingError(f"{name} must be a function, got {type(value).__name__}")
-    clean, corrupted = pair_tokens(workers.limits, clean_tokens, corrupted_tokens)
-    clean, corrupted = clean.long().cpu(), corrupted.long().cpu()
+    functions = {"sweep": sweep, "metric": metric}
+    clean, corrupted = checked_pairs(
+        workers, clean_tokens, corrupted_tokens, functions,
+        n_bootstrap, confidence, seed, max_bytes, progress,
+    )  # fmt: skip
     pairs, length = clean.shape
     chunk = workers.call(_chunk_size, pairs, length, max_bytes)
 
@@ -90,23 +86,13 @@ def patching_job(
             max_bytes,
         )
 
-    fingerprint = {
-        "job": "patch_dataset",
-        "model": workers.model_identity,
-        "clean_tokens": tensor_digest(clean),
-        "corrupted_tokens": tensor_digest(corrupted),
-        "sweep": describe(sweep),
-        "metric": describe(metric),
-        "options": describe(
-            dict(
-                n_bootstrap=n_bootstrap,
-                confidence=confidence,
-                seed=seed,
-                max_batch=max_batch,
-                max_bytes=max_bytes,
-            )
-        ),  # fmt: skip
-    }
+    options = dict(
+        n_bootstrap=n_bootstrap, confidence=confidence, seed=seed, max_batch=max_batch,
+        max_bytes=max_bytes,
+    )  # fmt: skip
+    fingerprint = pairs_fingerprint(
+        workers, "patch_dataset", clean, corrupted, metric, options, sweep=sweep
+    )
     return ShardedJob("pairs", pairs, _patch_shard, inputs, fingerprint, chunk)
 
 
@@ -115,4 +101,4 @@ def patching_result(
 ) -> PatchingResult:
     """`patch_dataset`'s result from the shards' per-pair values."""
     per_pair = torch.cat([shard["per_pair"] for shard in shards])
-    return _summary(per_pair, n_bootstrap, confidence, seed)
+    return summary(per_pair, n_bootstrap, confidence, seed)

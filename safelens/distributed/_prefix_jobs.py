@@ -26,7 +26,7 @@ from ..experiments._continuations import (
 )
 from ..experiments._generation import Generation, _check_sampling, _seed, generate
 from ..experiments._prefix import prefill, token_limits
-from ..patching._dataset import _backend
+from ..patching._dataset import dataset_backend
 from ._fingerprint import describe
 from ._job import ShardedJob
 
@@ -49,7 +49,7 @@ _SHARDS_PER_WORKER = 4
 
 def token_limits_of(model: Any) -> SimpleNamespace:
     """On a worker: the `d_vocab` and `n_ctx` token ids are checked against."""
-    return token_limits(_backend(model))
+    return token_limits(dataset_backend(model))
 
 
 def _prompts(limits: SimpleNamespace, prompts: Any, past: int = 0) -> list[torch.Tensor]:

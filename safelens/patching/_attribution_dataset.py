@@ -32,12 +32,12 @@ from ._attribution_pass import corrupted_pass
 from ._dataset import (
     PairMetric,
     PatchingResult,
-    _pair_bytes,
-    _summary,
     check_options,
     clean_cache_of,
     lone_pair_doubled,
+    pair_bytes,
     pair_tokens,
+    summary,
 )
 from ._limits import DEFAULT_MAX_BYTES
 
@@ -142,7 +142,7 @@ def attribution_patch_dataset(
 
 def pairs_per_attribution_chunk(backend: Backend, pairs: int, length: int, max_bytes: int) -> int:
     """How many pairs of `length` tokens one chunk (clean cache and graph) takes."""
-    return max(1, min(pairs, max_bytes // (_GRAPH_FACTOR * _pair_bytes(backend, length))))
+    return max(1, min(pairs, max_bytes // (_GRAPH_FACTOR * pair_bytes(backend, length))))
 
 
 def attribution_chunk(
@@ -183,8 +183,8 @@ def attribution_summary(
     """The result from the chunks' baselines and grids, in pair order."""
     stats = (n_bootstrap, confidence, seed)
     return AttributionDatasetResult(
-        _summary(torch.cat(baselines).float(), *stats),
-        {name: _summary(torch.cat(parts).float(), *stats) for name, parts in grids.items()},
+        summary(torch.cat(baselines).float(), *stats),
+        {name: summary(torch.cat(parts).float(), *stats) for name, parts in grids.items()},
     )
 
 

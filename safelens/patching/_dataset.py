@@ -59,10 +59,14 @@ __all__ = [
     "PatchingResult",
     "check_options",
     "clean_cache_of",
+    "dataset_backend",
     "lone_pair_doubled",
+    "pair_bytes",
     "pair_tokens",
     "pairs_per_chunk",
     "patch_dataset",
+    "patched_chunk",
+    "summary",
 ]
 
 PairMetric = Callable[
@@ -129,7 +133,7 @@ class _RunNumbers:
         return numbers.float()
 
 
-def _backend(model: Any) -> Backend:
+def dataset_backend(model: Any) -> Backend:
     """`model`'s adapter (sizes, device, family), or a `PatchingError` naming what arrived."""
     if is_seam_model(model):
         return backend_of(model, "patch_dataset")
@@ -160,7 +164,7 @@ def _needed(sweep: Callable[..., torch.Tensor]) -> Callable[[str], bool]:
     return lambda hook: patterns or not hook.endswith(("hook_pattern", "hook_attn_scores"))
 
 
-def _pair_bytes(backend: Backend, length: int) -> int:
+def pair_bytes(backend: Backend, length: int) -> int:
     """Bytes one pair's clean cache and clean logits take, about."""
     if backend.family == "hf":  # run_with_patching_cache: residuals, module outputs, q, z, k, v
         width = 7 * backend.d_model + 2 * backend.n_kv_heads * backend.d_head
@@ -173,7 +177,7 @@ def _pair_bytes(backend: Backend, length: int) -> int:
 
 def pairs_per_chunk(backend: Backend, pairs: int, length: int, max_bytes: int) -> int:
     """How many pairs of `length` tokens one chunk takes within `max_bytes`."""
-    return max(1, min(pairs, max_bytes // _pair_bytes(backend, length)))
+    return max(1, min(pairs, max_bytes // pair_bytes(backend, length)))
 
 
 def check_options(
@@ -309,7 +313,7 @@ def patch_dataset(
     """
     check_options(n_bootstrap, confidence, seed, max_bytes, progress)
     check_metric(metric, "metric")
-    backend = _backend(model)
+    backend = dataset_backend(model)
     clean, corrupted = pair_tokens(token_limits(backend), clean_tokens, corrupted_tokens)
     clean, corrupted = clean.to(backend.device), corrupted.to(backend.device)
     pairs, length = clean.shape
@@ -319,16 +323,16 @@ def patch_dataset(
         for start in range(0, pairs, chunk):
             rows = torch.arange(start, min(start + chunk, pairs), device=clean.device)
             per_chunk.append(
-                _chunk(
+                patched_chunk(
                     sweep, backend, clean[rows], corrupted[rows], metric, rows, max_batch, max_bytes
                 )
             )
             bar.update(rows.numel())
     per_pair = torch.cat(per_chunk)
-    return _summary(per_pair, n_bootstrap, confidence, seed)
+    return summary(per_pair, n_bootstrap, confidence, seed)
 
 
-def _chunk(
+def patched_chunk(
     sweep: Callable[..., torch.Tensor],
     backend: Backend,
     clean: torch.Tensor,
@@ -366,7 +370,7 @@ def _chunk(
     return values[grid.long()].movedim(-1, 0)[: rows.numel()]
 
 
-def _summary(
+def summary(
     per_pair: torch.Tensor, n_bootstrap: int, confidence: float, seed: int
 ) -> PatchingResult:
     """Mean, standard error and percentile-bootstrap interval over axis 0 of `per_pair`."""
