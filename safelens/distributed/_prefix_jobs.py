@@ -21,10 +21,10 @@ from ..core._arguments import flag, positive_int
 from ..core._tokens import check_tokens
 from ..experiments._continuations import (
     ContinuationScores,
-    _continuation_rows,
+    continuation_rows,
     score_continuations,
 )
-from ..experiments._generation import Generation, _check_sampling, _seed, generate
+from ..experiments._generation import Generation, check_sampling, check_seed, generate
 from ..experiments._prefix import prefill, token_limits
 from ..patching._dataset import dataset_backend
 from ._fingerprint import describe
@@ -111,7 +111,7 @@ def continuations_job(
             f"({len(rows)}), got {got!r}"
         )
     scored = [
-        [row.long().cpu() for row in _continuation_rows(c, workers.limits, len(prompt))]
+        [row.long().cpu() for row in continuation_rows(c, workers.limits, len(prompt))]
         for prompt, c in zip(rows, continuations, strict=True)
     ]
 
@@ -171,8 +171,8 @@ def generation_job(
     positive_int(max_new_tokens, "max_new_tokens")
     positive_int(options["n_samples"], "n_samples")
     flag(options["do_sample"], "do_sample")
-    _check_sampling(options["temperature"], options["top_k"], options["top_p"])
-    _seed(seed)
+    check_sampling(options["temperature"], options["top_k"], options["top_p"])
+    check_seed(seed)
     if options["do_sample"] and seed is None:
         raise ValueError(
             "generate on RayWorkers with do_sample=True needs a seed: each worker draws "

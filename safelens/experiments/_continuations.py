@@ -38,7 +38,7 @@ from ..core._repr import summary_repr
 from ..core._tokens import check_tokens
 from ._prefix import Prefix, check_prefix, runner_of, token_limits
 
-__all__ = ["ContinuationScores", "score_continuations"]
+__all__ = ["ContinuationScores", "continuation_rows", "score_continuations"]
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
 _AUTO_PROGRESS_BATCHES = 8
@@ -67,7 +67,8 @@ class ContinuationScores:
         return [row[keep] for row, keep in zip(self.log_probs, self.mask, strict=True)]
 
 
-def _continuation_rows(continuations: Any, limits: Any, past: int) -> list[torch.Tensor]:
+def continuation_rows(continuations: Any, limits: Any, past: int) -> list[torch.Tensor]:
+    """Each continuation as 1-D token ids, checked against `limits` after `past` positions."""
     if isinstance(continuations, torch.Tensor):
         if continuations.dim() != 2:
             raise TokenError(
@@ -191,7 +192,7 @@ def score_continuations(
             f"score_continuations needs a batch-1 prefix, got batch {prefix.batch_size}; use "
             "prefix.select(row) to pick one row of a batch of prefixes"
         )
-    rows = _continuation_rows(continuations, token_limits(backend), prefix.length)
+    rows = continuation_rows(continuations, token_limits(backend), prefix.length)
     positive_int(batch_size, "batch_size", optional=True)
     positive_int(memory_budget, "memory_budget", optional=True, unit=" (bytes)")
     flag(progress, "progress", optional=True)

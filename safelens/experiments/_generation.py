@@ -31,7 +31,7 @@ from ..core._repr import summary_repr
 from ..core._tokens import check_tokens
 from ._prefix import Prefix, check_prefix, runner_of
 
-__all__ = ["Generation", "generate", "sample_logits"]
+__all__ = ["Generation", "check_sampling", "check_seed", "generate", "sample_logits"]
 
 
 @dataclass(frozen=True, repr=False)
@@ -53,7 +53,8 @@ class Generation:
     log_probs: Float[torch.Tensor, "n new_tokens"]
 
 
-def _check_sampling(temperature: Any, top_k: Any, top_p: Any) -> None:
+def check_sampling(temperature: Any, top_k: Any, top_p: Any) -> None:
+    """`generate`'s sampling options checked: a `TypeError` or `ValueError` naming the bad one."""
     if finite_number(temperature, "temperature") < 0:
         raise ValueError(
             f"temperature must be >= 0 (0 means greedy), got {temperature}; a negative "
@@ -130,7 +131,7 @@ def sample_logits(
             "logits hold NaN or +inf, or a row with no finite logit; there is no "
             "distribution to sample from. Check the model's output"
         )
-    _check_sampling(temperature, top_k, top_p)
+    check_sampling(temperature, top_k, top_p)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(
             f"generator must be a torch.Generator or None, got {type(generator).__name__}"
@@ -138,7 +139,8 @@ def sample_logits(
     return _sample(logits, temperature, top_k, top_p, generator)
 
 
-def _seed(seed: Any) -> None:
+def check_seed(seed: Any) -> None:
+    """`seed` checked: `None` or an integer in `torch.Generator`'s range."""
     integer(seed, "seed", optional=True)
     if seed is not None and not -(2**63) <= seed < 2**64:
         raise ValueError(f"seed must be in [-2**63, 2**64) (torch.Generator's range), got {seed}")
@@ -210,8 +212,8 @@ def generate(
     positive_int(max_new_tokens, "max_new_tokens")
     positive_int(n_samples, "n_samples")
     flag(do_sample, "do_sample")
-    _check_sampling(temperature, top_k, top_p)
-    _seed(seed)
+    check_sampling(temperature, top_k, top_p)
+    check_seed(seed)
     d_vocab = backend.d_vocab
     device = prefix.tokens.device
     stops = torch.zeros(0, dtype=torch.long, device=device)
