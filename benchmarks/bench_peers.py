@@ -4,14 +4,16 @@ The models: random-weight `LlamaForCausalLM` (GQA: 8 query heads, 2 key/value he
 `GPT2LMHeadModel`, 4 layers, d_model 256, on the CPU (`--quick`: 2 layers, d_model 64),
 at 32 and 128 tokens (`--quick`: 8). Each exact by-position grid (`resid_pre`,
 `attn_out`, `mlp_out`, keys, values, queries, head outputs `z`) is computed three ways
-in one process, on the same model and prompts (two independent random prompts, which
+in one process, on the same weights and prompts (two independent random prompts, which
 share no activation), with the metric a last-position logit difference; the numbers
-must agree to 1e-4.
+must agree to 1e-4. Each library gets its own copy of the model: nnsight's wrapper
+replaces the forward of every module it is given (a model it wrapped runs every other
+library's passes through its machinery), and pyvene freezes the parameters.
 
 - safelens: its `get_act_patch_*` sweep, the clean cache from `run_with_patching_cache`,
   the metric declared last-position-only (as `logit_diff_metric` declares it).
-- nnsight 0.8.1, the way its docs batch interventions: one `TransformersModel` over the
-  same HF model; the clean activations saved in one trace; then each trace runs a batch
+- nnsight 0.8.1, the way its docs batch interventions: one `TransformersModel` over its
+  copy of the HF model; the clean activations saved in one trace; then each trace runs a batch
   of corrupted copies as one invoke, row `i` being grid cell `i`, and for each layer in
   forward order one indexed write puts the clean activation at every row's position
   (and head) of that layer: `layers[l].input` (`resid_pre`), the attention module's
@@ -45,6 +47,7 @@ Run: `python -m benchmarks.bench_peers [--quick]`.
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -322,7 +325,10 @@ def grid_rows(family: str, model: torch.nn.Module, length: int, sizes: Sizes) ->
 
     generator = torch.Generator().manual_seed(length)
     clean, corrupted = (torch.randint(1, VOCAB, (1, length), generator=generator) for _ in "ab")
-    peer = _Nnsight(model)
+    # Each library its own copy of the weights: nnsight's wrapper replaces every module's
+    # forward, and pyvene freezes the parameters of the model it is given.
+    peer = _Nnsight(copy.deepcopy(model))
+    theirs_model = copy.deepcopy(model)
     rows = []
     with torch.no_grad():
         _, clean_cache = run_with_patching_cache(model, clean)
@@ -343,7 +349,9 @@ def grid_rows(family: str, model: torch.nn.Module, length: int, sizes: Sizes) ->
             ours_s = best_time(ours, sizes.repeats, warmup=0)
             peers: dict[str, Callable[[], torch.Tensor]] = {
                 "nnsight": lambda a=activation, h=heads: peer.grid(a, clean, corrupted, h),
-                "pyvene": pyvene_grid(model, component, clean, corrupted, heads, kind is not None),
+                "pyvene": pyvene_grid(
+                    theirs_model, component, clean, corrupted, heads, kind is not None
+                ),
             }
             for name, theirs in peers.items():
                 result, theirs_s = _timed(theirs, sizes.repeats)
@@ -366,7 +374,7 @@ def attribution_rows(family: str, model: torch.nn.Module, length: int, sizes: Si
 
     generator = torch.Generator().manual_seed(length)
     clean, corrupted = (torch.randint(1, VOCAB, (1, length), generator=generator) for _ in "ab")
-    peer = _Nnsight(model)
+    peer = _Nnsight(copy.deepcopy(model))  # its wrapper changes the model it is given
     with torch.no_grad():
         _, clean_cache = run_with_patching_cache(model, clean)
 
@@ -420,14 +428,14 @@ def rows(quick: bool = False) -> Iterator[Row]:
     """Every grid against both peers, on both families, at every length of the mode, and
     the attribution rows, as they are measured.
 
-    Attribution runs on a model of its own: pyvene freezes the parameters of a model it
-    wraps (`requires_grad = False`), after which nnsight's gradients would have nothing
-    to flow from.
+    Each library runs its own copy of the same weights (`grid_rows`, `attribution_rows`):
+    nnsight's wrapper replaces the forward of every module of the model it is given, and
+    pyvene sets `requires_grad = False` on its parameters.
     """
     sizes = QUICK if quick else FULL
     for family in ("llama", "gpt2"):
-        yield from attribution_rows(family, model_of(family, sizes), sizes.lengths[0], sizes)
         model = model_of(family, sizes)
+        yield from attribution_rows(family, model, sizes.lengths[0], sizes)
         for length in sizes.lengths:
             yield from grid_rows(family, model, length, sizes)
 
