@@ -70,6 +70,26 @@ def best_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> fl
     return best
 
 
+def best_times(fns: list[Callable[[], object]], repeats: int = 3, warmup: int = 1) -> list[float]:
+    """The fastest of `repeats` wall-clock runs of each of `fns`, taken in turn.
+
+    Alternating the runs spreads the machine's drift (clock speed, other work) evenly
+    over the functions compared, where back-to-back blocks of runs would hand it to one.
+    """
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    synchronize()
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            synchronize()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
 def time_grid(
     model,
     sweep_name: str,

@@ -24,6 +24,9 @@ the same model and inputs, numbers checked to agree in the run:
   `shared_prefix` applies), after checking one pass of the prefix's last token against
   the bridge; with a hook attached every pass goes through the bridge's own components.
 
+Each time is the best of 5 runs after a warm-up, safelens' and the reference's runs
+taken in turn (`best_times`), so that the machine's drift does not favour either.
+
 Run: `python -m benchmarks.bench_hf [--quick]`.
 """
 
@@ -39,7 +42,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from benchmarks._common import Row, best_time
+from benchmarks._common import Row, best_time, best_times
 from safelens import HFKeyValueCache, generate, hf_cache_argument, prefill, score_continuations
 
 TARGET_NAIVE = "≥15× faster than one forward per prefix+continuation"
@@ -75,7 +78,7 @@ FULL = Sizes(
     new=8,
     prompt=1024,
     generated=512,
-    repeats=3,
+    repeats=5,
     warmup=1,
 )
 QUICK = Sizes(
@@ -161,9 +164,15 @@ def continuation_rows(model, hf_model, sizes: Sizes, label: str) -> list[Row]:
     ours = _safelens(model, prompt, continuations)
     naive = _naive(model, prompt, continuations)
     best = _hf_best(hf_model, prompt, continuations)
-    t_ours = _time(lambda: _safelens(model, prompt, continuations), sizes)
+    t_ours, t_best = best_times(
+        [
+            lambda: _safelens(model, prompt, continuations),
+            lambda: _hf_best(hf_model, prompt, continuations),
+        ],
+        sizes.repeats,
+        sizes.warmup,
+    )
     t_naive = _time(lambda: _naive(model, prompt, continuations), sizes, warmup=0)
-    t_best = _time(lambda: _hf_best(hf_model, prompt, continuations), sizes)
     job = f"{label}: {sizes.rows} continuations × {sizes.new} tokens after {sizes.prefix}"
     return [
         Row(
@@ -260,8 +269,14 @@ def generation_row(model, hf_model, sizes: Sizes, label: str) -> Row:
     prompt, new = _prompt(sizes).to(hf_model.device), sizes.generated
     theirs = _hf_generate(hf_model, prompt, new)
     ours = _safelens_generate(model, prompt, new)
-    t_theirs = _time(lambda: _hf_generate(hf_model, prompt, new), sizes)
-    t_ours = _time(lambda: _safelens_generate(model, prompt, new), sizes)
+    t_theirs, t_ours = best_times(
+        [
+            lambda: _hf_generate(hf_model, prompt, new),
+            lambda: _safelens_generate(model, prompt, new),
+        ],
+        sizes.repeats,
+        sizes.warmup,
+    )
     return Row(
         f"{label}: greedy generation, {sizes.prompt}-token prompt + {new} new tokens: "
         "safelens generate vs HF generate",
@@ -278,8 +293,14 @@ def hf_generate_row(model, sizes: Sizes) -> Row:
     prompt, new = _prompt(sizes).to(model.device), sizes.generated
     theirs = _hf_generate(model, prompt, new)
     ours = _hf_generate(model, prompt, new, HFKeyValueCache(model.config))
-    t_theirs = _time(lambda: _hf_generate(model, prompt, new), sizes)
-    t_ours = _time(lambda: _hf_generate(model, prompt, new, HFKeyValueCache(model.config)), sizes)
+    t_theirs, t_ours = best_times(
+        [
+            lambda: _hf_generate(model, prompt, new),
+            lambda: _hf_generate(model, prompt, new, HFKeyValueCache(model.config)),
+        ],
+        sizes.repeats,
+        sizes.warmup,
+    )
     return Row(
         f"HF Llama: greedy generation, {sizes.prompt}-token prompt + {new} new tokens: "
         "HF generate with HFKeyValueCache vs with DynamicCache",
