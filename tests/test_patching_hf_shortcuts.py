@@ -12,6 +12,7 @@ passes start at the first, middle and last layers; every family of the HF backen
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pandas as pd
@@ -27,6 +28,7 @@ from safelens import run_with_patching_cache
 from safelens.backends._backend import backend_of
 from safelens.backends.hf import _override, _skip
 from safelens.patching import _hf_shortcuts, _hf_sweeps
+from safelens.patching._hf_sites import _decoder_layers
 
 LAYERS, LENGTH = 4, 10
 
@@ -140,6 +142,9 @@ def test_hf_sweeps_take_the_shortcuts_and_equal_a_loop_of_hooked_forwards(
         shortcuts = taken[-1]
         assert shortcuts.skips and shortcuts.trim, (name, sweep_name)
         assert shortcuts.trim_mlp == (activation != "mlp_out")
+        # Passes that patch nothing in the last layer run its MLP at the last position
+        # alone, whatever the site (the MLP output's own patches included).
+        assert shortcuts.trim_mlp_early, (name, sweep_name)
         # Last-layer patches run the last position alone, whatever their own, except those
         # of the residual stream entering the layer (its keys and values change).
         late = [run[2] for first, start, runs in passes[-1] for run in runs if start == LENGTH - 1]
@@ -351,4 +356,40 @@ def test_two_threads_sweeping_one_model_get_the_serial_results(taken):
     assert all(shortcuts.skips for shortcuts in taken)
     for index in range(2):
         assert (results[index] - serial[index]).abs().max() <= 1e-6
+    assert_left_as_found(lm)
+
+
+def test_an_mlp_out_sweep_trims_the_last_mlp_only_in_passes_below_the_last_layer(
+    taken, monkeypatch
+):
+    lm = model("llama", layers=LAYERS)
+    clean, corrupted = pair(2)
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    trimmed: list[tuple[int, bool, bool]] = []
+    last_mlp = _decoder_layers(lm, LAYERS)[1][-1].mlp
+    taken_of = _hf_shortcuts.Shortcuts.taken
+
+    @contextmanager
+    def spy(self, first, start, runs, last_patched=True):
+        with taken_of(self, first, start, runs, last_patched):
+            # The trim is a pre-hook on the last MLP, registered for the pass.
+            trimmed.append((first, last_patched, bool(last_mlp._forward_pre_hooks)))
+            yield
+
+    monkeypatch.setattr(_hf_shortcuts.Shortcuts, "taken", spy)
+    got = safelens.get_act_patch_mlp_out(lm, corrupted, clean_cache, last_only(2), progress=False)
+    assert taken[-1].trim and not taken[-1].trim_mlp and taken[-1].trim_mlp_early
+    below = [trim for first, patched, trim in trimmed if first < LAYERS - 1 and not patched]
+    assert below and all(below)
+    # The last layer's own patches keep their MLP whole (its output is what they patch).
+    own = [trim for first, patched, trim in trimmed if patched]
+    assert own and not any(own)
+    assert_equals_references(
+        monkeypatch,
+        safelens.get_act_patch_mlp_out,
+        "mlp_out",
+        got,
+        lm,
+        (clean, corrupted, torch.ones_like(clean)),
+    )
     assert_left_as_found(lm)

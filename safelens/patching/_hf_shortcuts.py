@@ -9,8 +9,8 @@ A patched run needs only what its metric reads and what its patch can change:
 - *Last position only.* A metric that says it reads only the last position's logits
   (`metric.last_position_only`, as [`logit_diff_metric`][safelens.logit_diff_metric]'s
   does) gets `[rows, 1, d_vocab]`: the last layer's MLP runs the last position alone
-  (when the sweep patches a site before it, `_BEFORE_MLP`), and only that position is
-  unembedded. Both
+  (when the sweep patches a site before it, `_BEFORE_MLP`, or the pass patches nothing
+  in the last layer), and only that position is unembedded. Both
   are PyTorch forward pre-hooks that keep the last position of their module's input
   (the MLP's output is then added to every position of the residual stream; only the
   last is read), acting in the sweep's thread only.
@@ -131,7 +131,10 @@ class Shortcuts:
     skips: bool = False
     last_only: bool = False
     trim: bool = False
+    # Whether the last layer's MLP runs the last position alone: in every pass
+    # (`trim_mlp`), or in passes that patch nothing in the last layer (`trim_mlp_early`).
     trim_mlp: bool = False
+    trim_mlp_early: bool = False
     # Whether a pass may run fewer positions than the prompt's (no user hook attached).
     partial: bool = True
     # The replacements inside a pass it takes (`safelens.patching._hf_lean`), if any.
@@ -147,8 +150,11 @@ class Shortcuts:
         return layer if self.skips else 0
 
     @contextmanager
-    def taken(self, first: int, start: int, runs: int) -> Iterator[None]:
-        """Within the block, this thread's pass from position `start` starts at layer `first`."""
+    def taken(self, first: int, start: int, runs: int, last_patched: bool = True) -> Iterator[None]:
+        """Within the block, this thread's pass from position `start` starts at layer `first`.
+
+        `last_patched`: whether the pass patches anything in the last layer.
+        """
         me = threading.get_ident()
         with ExitStack() as stack:
             if first:
@@ -156,7 +162,7 @@ class Shortcuts:
                 stack.enter_context(skipping(self.layers, first, residual, self.forms))
             if self.trim:
                 modules = [_unembedding(self.backend)]
-                if self.trim_mlp:
+                if self.trim_mlp or (self.trim_mlp_early and not last_patched):
                     modules.append(self.layers[-1].mlp)
                 for module in modules:
                     handle = module.register_forward_pre_hook(
@@ -193,7 +199,8 @@ class Shortcuts:
         trims = partial and last_only and isinstance(_unembedding(backend), torch.nn.Module)
         layers = _decoder_layers(backend.model, n_layers)[1]
         mlp = getattr(layers[-1], "mlp", None)
-        trim_mlp = activation in _BEFORE_MLP and isinstance(mlp, torch.nn.Module)
+        has_mlp = isinstance(mlp, torch.nn.Module)
+        trim_mlp = activation in _BEFORE_MLP and has_mlp
         # A plain HuggingFace model's own modules (not a bridge's, with hook points inside).
         lean = Lean(layers) if partial and backend.family == "hf" else None
         # Most shortcuts first; the pass replacements need none of the others.
@@ -209,12 +216,13 @@ class Shortcuts:
                 backend,
                 residuals,
                 forms,
-                skip,
-                last_only,
-                trim,
-                trim and trim_mlp,
-                partial,
-                leaner,
+                skips=skip,
+                last_only=last_only,
+                trim=trim,
+                trim_mlp=trim and trim_mlp,
+                trim_mlp_early=trim and has_mlp,
+                partial=partial,
+                lean=leaner,
             )
             if (skip or trim or leaner is not None) and _holds(check, chosen):
                 return chosen

@@ -438,7 +438,9 @@ class _Pass:
         hooked = [(hooks[layer], edit) for layer, edit in edits.items() if hooks[layer] is not None]
         inputs = {layer: edit for layer, edit in edits.items() if hooks[layer] is None}
         fwd_hooks = [(name, _as_hook(edit)) for name, edit in hooked]
-        with shortcuts.taken(first, start, runs), site_edits(backend, {site.activation: inputs}):
+        last_patched = any(run[1] == backend.n_layers - 1 for run in chunk)
+        taken = shortcuts.taken(first, start, runs, last_patched)
+        with taken, site_edits(backend, {site.activation: inputs}):
             with backend.pass_hooks(prefix, fwd_hooks):  # type: ignore[arg-type]
                 # `forward`, not `forward_continuations`: reading the prefix once per layer
                 # (`shared_prefix`) costs more than it saves on a pass of this many rows
