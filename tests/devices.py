@@ -2,8 +2,9 @@
 
 `SAFELENS_TEST_DEVICE` (default `cpu`; `cuda` or `cuda:1` on a GPU machine) is where the
 model builders (`models`, `hf_models`, `bridge_models`) put every model and the token
-ids they make. The tests of `test_dtypes.py` run in each of `DTYPES` (float32 and
-bfloat16) on that device, with the tolerance `TOLERANCE` gives each dtype.
+ids they make. Tests parametrized over `DTYPES` (float32 and bfloat16:
+`test_patching.py`'s) run in each on that device, with the tolerance `TOLERANCE` gives
+each dtype; the HF cache and experiment tests name float32 and bfloat16 themselves.
 """
 
 from __future__ import annotations
