@@ -22,36 +22,25 @@ speed-up falls short of N.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 
 import torch
-import transformers
 
 import safelens
 
 from ._common import Row, best_time
+from .bench_hf import FULL, VOCAB, llama_model
 
 PAIRS = 64
-VOCAB = 1000
 MAX_WORKERS = 4
 
 
 def build_model(hidden: int, layers: int) -> torch.nn.Module:
-    """The benchmark model, seeded: the same weights on every worker."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=4 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        bos_token_id=0,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    """The HF benchmark's Llama-like model (`bench_hf.llama_model`), seeded: the same
+    weights on every worker."""
+    return llama_model(dataclasses.replace(FULL, hidden=hidden, layers=layers))
 
 
 def metric(logits: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:

@@ -75,17 +75,24 @@ def child_named(layer: torch.nn.Module, names: tuple[str, ...]) -> str | None:
     )
 
 
+def _child(parent: torch.nn.Module, names: tuple[str, ...], missing: str) -> torch.nn.Module:
+    """The first of `names` that is a module of `parent`; a `PatchingError(missing)` if none."""
+    name = child_named(parent, names)
+    if name is None:
+        raise PatchingError(missing)
+    module: torch.nn.Module = getattr(parent, name)
+    return module
+
+
 def attention_module(layer: torch.nn.Module, index: int) -> torch.nn.Module:
     """Decoder layer `index`'s attention module, or a `PatchingError` saying none was found."""
-    name = child_named(layer, ATTENTION_MODULES)
-    if name is None:
-        raise PatchingError(
-            f"decoder layer {index} ({type(layer).__name__}) has no "
-            f"{' or '.join(ATTENTION_MODULES)} module: no queries, head outputs or patterns "
-            "to patch"
-        )
-    module: torch.nn.Module = getattr(layer, name)
-    return module
+    return _child(
+        layer,
+        ATTENTION_MODULES,
+        f"decoder layer {index} ({type(layer).__name__}) has no "
+        f"{' or '.join(ATTENTION_MODULES)} module: no queries, head outputs or patterns "
+        "to patch",
+    )
 
 
 def attention_function_module(layer: torch.nn.Module, index: int) -> torch.nn.Module:
@@ -107,15 +114,12 @@ def attention_function_module(layer: torch.nn.Module, index: int) -> torch.nn.Mo
 def output_projection(layer: torch.nn.Module, index: int) -> torch.nn.Module:
     """The output projection of decoder layer `index`'s attention (its input: head outputs)."""
     attention = attention_module(layer, index)
-    name = child_named(attention, OUTPUT_PROJECTIONS)
-    if name is None:
-        raise PatchingError(
-            f"the attention of decoder layer {index} ({type(attention).__name__}) has no "
-            f"{' or '.join(OUTPUT_PROJECTIONS)} module, whose input would be the head "
-            "outputs z"
-        )
-    module: torch.nn.Module = getattr(attention, name)
-    return module
+    return _child(
+        attention,
+        OUTPUT_PROJECTIONS,
+        f"the attention of decoder layer {index} ({type(attention).__name__}) has no "
+        f"{' or '.join(OUTPUT_PROJECTIONS)} module, whose input would be the head outputs z",
+    )
 
 
 def mlp_norm(layer: torch.nn.Module, index: int, config: Any) -> torch.nn.Module:
