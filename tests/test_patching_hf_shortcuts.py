@@ -27,8 +27,8 @@ import safelens
 from safelens import run_with_patching_cache
 from safelens.backends._backend import backend_of
 from safelens.backends.hf import _override, _skip
+from safelens.backends.hf._sites import decoder_layers
 from safelens.patching import _hf_shortcuts, _hf_sweeps
-from safelens.patching._hf_sites import _decoder_layers
 
 LAYERS, LENGTH = 4, 10
 
@@ -395,7 +395,7 @@ def test_an_mlp_out_sweep_trims_the_last_mlp_only_in_passes_below_the_last_layer
     clean, corrupted = pair(2)
     _, clean_cache = run_with_patching_cache(lm, clean)
     trimmed: list[tuple[int, bool, bool]] = []
-    last_mlp = _decoder_layers(lm, LAYERS)[1][-1].mlp
+    last_mlp = decoder_layers(lm, LAYERS)[1][-1].mlp
     taken_of = _hf_shortcuts.Shortcuts.taken
 
     @contextmanager

@@ -45,9 +45,9 @@ from ..backends._supported import SupportedModel
 from ..core._arguments import flag, positive_int
 from ..core._errors import PatchingError
 from ..core._repr import summary_repr
-from ._attribution_pass import Read, Reads, corrupted_pass, qk_reads, site_for
+from ._attribution_pass import Read, Reads, corrupted_pass
 from ._clean_cache import CLEAN_CACHE_OF, axes_of, backend_sizes, check_clean_cache, shape_error
-from ._hf_sites import Site, _tokens, clean_activation, site_of
+from ._hf_sites import Site, _tokens, clean_activation
 from ._hf_sweeps import Run, _check_no_dropout, run_sweep
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
 from ._metric import Metric, check_metric
@@ -158,8 +158,8 @@ def plan(
     fixed = qk_fix and bool(_FIXED & set(chosen))
     if backend.family == "hooked":
         _check_hooked_attention(model.cfg, fixed)
-    sites: dict[str, Site] = {name: site_for(backend, name, clean_cache) for name in chosen}
-    qk = qk_reads(backend) if fixed else None
+    sites: dict[str, Site] = {name: backend.read_site(name) for name in chosen}
+    qk = backend.qk_sites() if fixed else None
     _check_no_dropout(backend.model)
     if fixed or "pattern" in chosen:
         # The fix and pattern gradients read `hook_pattern`: attention must use its output.
@@ -415,7 +415,7 @@ def verify(
         )
         assert isinstance(values, torch.Tensor)
         return values
-    site = site_of(backend, name, clean_cache)
+    site = backend.patch_site(name, clean_cache)
     batch, length = tokens.shape
     clean = [
         clean_activation(backend, site, clean_cache, layer, batch, length)

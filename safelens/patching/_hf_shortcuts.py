@@ -54,10 +54,10 @@ import torch
 
 from ..backends._backend import Backend
 from ..backends.hf._override import overriding
+from ..backends.hf._sites import decoder_layers
 from ..backends.hf._skip import joining, output_form, skipping
 from ..core._thread_hooks import LIBRARIES
 from ._hf_lean import Lean
-from ._hf_sites import _decoder_layers
 from ._metric import reads_last_position
 
 __all__ = ["Check", "Shortcuts", "captured", "tolerance"]
@@ -97,7 +97,7 @@ def captured(backend: Backend) -> Iterator[tuple[list[Any], list[Any]]]:
     layer `l`, `forms[l]` how layer `l` returned its own
     ([`output_form`][safelens.backends.hf._skip.output_form]).
     """
-    _, layers = _decoder_layers(backend.model, backend.n_layers)
+    _, layers = decoder_layers(backend.model, backend.n_layers)
     me = threading.get_ident()
     inputs: list[Any] = [None] * len(layers)
     forms: list[Any] = [None] * len(layers)
@@ -155,7 +155,7 @@ class Shortcuts:
     layers: torch.nn.ModuleList = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.layers = _decoder_layers(self.backend.model, self.backend.n_layers)[1]
+        self.layers = decoder_layers(self.backend.model, self.backend.n_layers)[1]
 
     def first_layer(self, layer: int) -> int:
         """The layer a pass whose earliest patch sits at `layer` starts at."""
@@ -238,7 +238,7 @@ class Shortcuts:
             for form, tensor in zip(forms, inputs, strict=True)
         )
         trims = partial and last_only and isinstance(_unembedding(backend), torch.nn.Module)
-        layers = _decoder_layers(backend.model, n_layers)[1]
+        layers = decoder_layers(backend.model, n_layers)[1]
         mlp = getattr(layers[-1], "mlp", None)
         has_mlp = isinstance(mlp, torch.nn.Module)
         trim_mlp = activation in _BEFORE_MLP and has_mlp

@@ -53,7 +53,6 @@ from ._hf_sites import (
     Site,
     _tokens,
     clean_activation,
-    site_of,
 )
 from ._limits import _check_limits
 from ._metric import Metric, _Metric
@@ -103,7 +102,7 @@ def seam_patch(
     """
     _check_limits(max_batch, max_bytes, progress)
     backend = backend_of(model, "patching")
-    site = site_of(backend, activation, clean_cache)
+    site = backend.patch_site(activation, clean_cache)
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
     check_clean_cache(clean_cache, backend_sizes(backend), CLEAN_CACHE_OF[backend.family])
     batch, length = tokens.shape
@@ -248,7 +247,7 @@ def _on_plain_model(run: _Corrupted, tokens: torch.Tensor, mask: torch.Tensor) -
         backend = run.backend.plain()  # type: ignore[attr-defined]
         if backend is None:
             return run
-        site = site_of(backend, run.site.activation)
+        site = backend.patch_site(run.site.activation)
         twin = _corrupted_run(backend, site, tokens, mask, False)
     except Exception:  # noqa: BLE001 - no hook of the user's is attached: the model's own
         return run
