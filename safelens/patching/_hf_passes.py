@@ -17,13 +17,14 @@ import torch
 from ..backends._backend import Backend
 from ._hf_shortcuts import Shortcuts
 from ._hf_sites import Site, put, site_edits
+from ._skips import AFTER_KEYS, activations
 
 __all__ = ["Editor", "Pass", "Run", "passes"]
 
 # Runs patched at positions `p0 … p0 + span - 1` share one pass that starts at `p0`.
 _SPANS = (1, 2, 4, 8, 16)
 # Activations computed after a layer's keys and values: a patch changes its own position.
-_OWN_POSITION = frozenset({"q", "z", "attn_out", "resid_mid", "mlp_out"})
+_OWN_POSITION = activations(AFTER_KEYS)
 # What one pass costs beyond its arithmetic, in multiply-adds: once, and per layer run (a
 # CPU estimate; it only sets how runs are grouped into passes).
 _OVERHEAD = {"bridge": (1.5e8, 6e7), "hf": (6e7, 2e7)}

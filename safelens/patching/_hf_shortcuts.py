@@ -1,31 +1,25 @@
-"""What a sweep on a TransformerBridge or HuggingFace model may skip, checked on the model.
+"""The shortcuts a sweep on a TransformerBridge or HuggingFace model takes, checked on the model.
 
-A patched run needs only what its metric reads and what its patch can change:
+What a patched run may skip is `safelens.patching._skips`'; here, how a HuggingFace
+model (or a bridge) takes it, on the sweep's thread only:
 
-- *Layers before the patch.* A patch at layer `l` changes nothing before it, so a run
-  may start at layer `l` with the corrupted run's residual stream entering it
-  ([`skipping`][safelens.backends.hf._skip.skipping]: the layers before are not run,
-  on the sweep's thread only).
-- *Runs that enter at their own layers* (a staggered pass, on a plain HuggingFace
-  model): the runs of one pass, patched at several layers, are stacked in layer order;
-  the pass starts at the earliest, and the runs patched at each later layer join the
-  batch there with the corrupted run's residual stream
-  ([`joining`][safelens.backends.hf._skip.joining]), so a pass runs each layer on the
-  rows that need it, and one pass serves every layer.
-- *Last position only.* A metric that says it reads only the last position's logits
-  (`metric.last_position_only`, as [`logit_diff_metric`][safelens.logit_diff_metric]'s
-  does) gets `[rows, 1, d_vocab]`: the last layer's MLP runs the last position alone
-  (when the sweep patches a site before it, `_BEFORE_MLP`, or the pass patches nothing
-  in the last layer), and only that position is unembedded. Both
-  are PyTorch forward pre-hooks that keep the last position of their module's input
-  (the MLP's output is then added to every position of the residual stream; only the
-  last is read), acting in the sweep's thread only.
+- *Layers before the patch*: [`skipping`][safelens.backends.hf._skip.skipping] does not
+  run them and hands the corrupted run's residual stream to the first layer a pass runs.
+- *Runs of several layers in one pass* (on a plain HuggingFace model):
+  [`joining`][safelens.backends.hf._skip.joining] appends the runs of each later layer
+  to the batch there.
+- *Last position only*: PyTorch forward pre-hooks keep the last position of the input
+  of the unembedding and of the last layer's MLP (when the sweep patches a site before
+  it, `_BEFORE_MLP`, or the pass patches nothing in the last layer; the MLP's output is
+  then added to every position of the residual stream, and only the last is read); the
+  pass replacements of `safelens.patching._hf_lean` map the last query alone.
 
 All are checked once per sweep, on the model itself: the unpatched corrupted tokens run
 with the shortcuts from the last layer (from the first and from the middle position)
 and from every other layer (the last position alone), and, staggered, with a run
 entering at each layer (from the middle position, and from layer 1 at the last
-position), and must give the corrupted run's logits (within 1e-4 of the largest logit in float32, 3e-2 in half precision). A family
+position), and must give the corrupted run's logits (within 1e-4 of the largest logit
+in float32, 3e-2 in half precision). A family
 where a shortcut does not hold (one that carries state from layer to layer beside the
 residual stream, an MLP whose output is not added to the residual stream) fails the
 check, by its logits or by an error raised in the libraries' code, and runs without it:
@@ -59,11 +53,12 @@ from ..backends.hf._skip import joining, output_form, skipping
 from ..core._thread_hooks import LIBRARIES
 from ._hf_lean import Lean
 from ._metric import reads_last_position
+from ._skips import BEFORE_RESID_MID, activations
 
 __all__ = ["Check", "Shortcuts", "captured", "tolerance"]
 
 # Sites whose patch at the last layer sits before that layer's MLP.
-_BEFORE_MLP = frozenset({"k", "v", "q", "z", "pattern", "resid_pre", "resid_mid", "attn_out"})
+_BEFORE_MLP = activations(BEFORE_RESID_MID) | {"resid_mid"}
 # Tolerance of the check, relative to the largest logit: float32 (and wider), else half.
 _TOLERANCE = {True: 1e-4, False: 3e-2}
 # `check(shortcuts, entries, start)`: whether an unpatched pass from position `start`

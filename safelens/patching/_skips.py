@@ -1,0 +1,100 @@
+"""What a patched run may skip: the shortcuts its patch site and its metric allow.
+
+Both patching engines take these shortcuts: on a `HookedTransformer`
+(`safelens.patching._plan`, `safelens.patching._grid`) and on a HuggingFace model or a
+TransformerBridge (`safelens.patching._hf_shortcuts`, `safelens.patching._hf_passes`,
+which check each on the model once per sweep and drop one that does not hold). A
+patched run needs only what its metric reads and what its patch can change:
+
+- *Layers before the patch.* A patch at layer `l` changes nothing before it, so a run
+  starts at layer `l` with the corrupted run's residual stream entering it.
+- *Runs of several layers in one pass* (staggered). The runs of a pass are stacked in
+  layer order: the pass starts at the earliest layer, and the runs patched at each later
+  layer join the batch there with the corrupted run's residual stream.
+- *Positions before the patch.* In a causal model a patch at position `p` changes
+  nothing before `p`, so a run reuses the corrupted run's first `p` positions (its
+  frozen key/value cache, cropped to them). Not when a layer attends both ways: there
+  every run computes every position. Nor for patches of the tensors that span every key
+  position (`EVERY_KEY_POSITION`: rotated keys, attention scores and patterns), whose
+  runs start at position 0, except where a pattern's row at destination `p` is patched
+  at `p` alone.
+- *Last position only.* A metric that says it reads only the last position's logits
+  (`metric.last_position_only`, as [`logit_diff_metric`][safelens.logit_diff_metric]'s
+  does) gets `[rows, 1, d_vocab]`: only that position is unembedded. In the last layer
+  the queries and the head outputs are then needed at the last position alone when the
+  patch sits before the queries are used (`BEFORE_QUERIES`), and the MLP when the patch
+  sits before it (`BEFORE_RESID_MID`, the MLP's input included), or the pass patches
+  nothing in that layer; and a last-layer patch of an activation computed after the keys
+  and values (`AFTER_KEYS`) at an earlier position changes nothing the metric reads.
+- *Single position.* A by-position patch of an activation computed after the keys and
+  values (`AFTER_KEYS`: q, z, the attention or MLP output) changes, at its own layer,
+  nothing but the patched position: the later positions enter the next layer with the
+  corrupted run's residual stream.
+
+None of these, beyond starting at the patch's layer, while a hook of the user's is
+attached anywhere in the model (`hooked_anywhere`): a hook may index positions
+(`tensor[:, 0]`) and sees every position of every layer it fires in, as under
+TransformerLens; a metric of the last position still gets that position alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ..backends._sites import TL_NAMES
+
+__all__ = [
+    "AFTER_KEYS",
+    "BEFORE_QUERIES",
+    "BEFORE_RESID_MID",
+    "EVERY_KEY_POSITION",
+    "INPUTS",
+    "activations",
+]
+
+# A block's hook points by where they fire, as TransformerLens names them under
+# `blocks.{layer}.`; a HuggingFace model's sites go by the same names (`TL_NAMES`).
+INPUTS = frozenset(
+    {"hook_resid_pre", "hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input"}
+)
+BEFORE_QUERIES = INPUTS | {
+    "ln1.hook_scale",
+    "ln1.hook_normalized",
+    "attn.hook_q",
+    "attn.hook_k",
+    "attn.hook_v",
+}
+AFTER_KEYS = frozenset(
+    {
+        "attn.hook_q",
+        "attn.hook_rot_q",
+        "attn.hook_z",
+        "attn.hook_result",
+        "hook_attn_out",
+        "hook_resid_mid",
+        "hook_mlp_in",
+        "ln2.hook_scale",
+        "ln2.hook_normalized",
+        "mlp.hook_pre",
+        "mlp.hook_post",
+        "hook_mlp_out",
+        "hook_resid_post",
+    }
+)
+BEFORE_RESID_MID = BEFORE_QUERIES | {
+    "attn.hook_rot_q",
+    "attn.hook_rot_k",
+    "attn.hook_attn_scores",
+    "attn.hook_pattern",
+    "attn.hook_z",
+    "attn.hook_result",
+    "hook_attn_out",
+}
+# Tensors that hold every key position (the cached ones too), not the new positions.
+EVERY_KEY_POSITION = frozenset({"attn.hook_rot_k", "attn.hook_attn_scores", "attn.hook_pattern"})
+
+
+def activations(hooks: Iterable[str]) -> frozenset[str]:
+    """The short names (`TL_NAMES`: `k`, `resid_pre`, …) of the activations at `hooks`."""
+    hooks = set(hooks)
+    return frozenset(name for name, hook in TL_NAMES.items() if hook in hooks)
