@@ -24,10 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ._backend import Backend
+from typing import Any
 
 __all__ = ["PATTERNS", "QUERY_HEADS", "TL_NAMES", "Site", "tl_heads", "tl_site"]
 
@@ -92,8 +89,11 @@ def tl_site(activation: str, heads: int, name: str | None = None) -> Site:
     return Site(activation, hook, hook, 1, 2, heads)
 
 
-def tl_heads(backend: Backend, activation: str) -> int:
-    """The heads of `activation` at TransformerLens' hook points: key/value, query, or none."""
+def tl_heads(backend: Any, activation: str) -> int:
+    """The heads of `activation` at TransformerLens' hook points: key/value, query, or none.
+
+    `backend` is the model's `Backend` (this module sits below the protocol).
+    """
     if activation in ("k", "v"):
         return backend.n_kv_heads
     if activation in QUERY_HEADS:

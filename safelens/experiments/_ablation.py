@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from ..backends._backend import Backend, backend_of, cache_ops
+from ..backends._backend import Backend, backend_of
+from ..backends._cache_ops import cache_ops
 from ..backends._supported import SupportedModel
 from ..core._errors import CacheConfigError
 from ..core._thread_hooks import Hook

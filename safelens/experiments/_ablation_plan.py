@@ -14,7 +14,7 @@ Positions index the prefix's cache axis, left padding included. Heads index the
 cache's heads axis: KV heads under grouped-query attention (an edit of KV head `h`
 reaches every query head reading it), all `n_heads` with TransformerLens'
 `ungroup_grouped_query_attention=True`. Both are axes of the backend's cache layout
-(`safelens.backends._backend.CacheLayout`): position-major `[batch, pos, n_kv_heads,
+(`safelens.backends._cache_ops.CacheLayout`): position-major `[batch, pos, n_kv_heads,
 d_head]` pre-rotary keys in a `KeyValueCache`, head-major `[batch, n_kv_heads, pos,
 d_head]` post-rotary keys in an `HFKeyValueCache`; a `"function"` ablation's `fn` gets
 its slice in that layout.
@@ -32,7 +32,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 from jaxtyping import Int
 
-from ..backends._backend import CacheLayout, CacheOps, CacheShape, cache_ops
+from ..backends._cache_ops import CacheLayout, CacheOps, CacheShape, cache_ops
 from ..core._arguments import indices
 from ..core._errors import CacheShapeError
 from ..core._repr import summary_repr

@@ -36,7 +36,8 @@ from typing import Any, Literal
 import torch
 
 from ...core._thread_hooks import hooked_anywhere
-from .._backend import Backend, CacheLayout, FwdHooks, NamesFilter
+from .._backend import Backend, FwdHooks, NamesFilter
+from .._cache_ops import CacheLayout
 from .._sites import Site
 from ..hf._backend import HFBackend, HFCacheOps, pass_inputs
 from ..hf._cache import HFKeyValueCache

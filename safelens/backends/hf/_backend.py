@@ -31,7 +31,8 @@ from ...core._config import CacheDimensions
 from ...core._errors import CacheShapeError
 from ...core._fit import check_fits
 from ...core._storage import Sequence
-from .._backend import Backend, CacheLayout, CacheOps, CacheShape, FwdHooks, NamesFilter
+from .._backend import Backend, FwdHooks, NamesFilter
+from .._cache_ops import CacheLayout, CacheOps, CacheShape
 from .._sites import Site
 from ._cache import HFKeyValueCache
 from ._layer import HFCacheLayer
@@ -44,7 +45,7 @@ __all__ = ["HF_CACHE", "HFBackend", "pass_inputs"]
 
 
 class HFCacheOps(CacheOps):
-    """[`CacheOps`][safelens.backends._backend.CacheOps] of an `HFKeyValueCache`."""
+    """[`CacheOps`][safelens.backends._cache_ops.CacheOps] of an `HFKeyValueCache`."""
 
     layout = CacheLayout(
         pos_axis=2, heads_axis=1, rotary="post", hook_prefix="model.layers.{layer}.kv_cache"

@@ -35,13 +35,14 @@ from ...core._cache import KeyValueCache
 from ...core._config import CacheDimensions, refuse_ungrouped
 from ...core._errors import CacheShapeError
 from ...core._thread_hooks import thread_hooks
-from .._backend import Backend, CacheLayout, CacheOps, CacheShape, FwdHooks, NamesFilter
+from .._backend import Backend, FwdHooks, NamesFilter
+from .._cache_ops import CacheLayout, CacheOps, CacheShape
 
 __all__ = ["KEY_VALUE_CACHE", "HookedBackend"]
 
 
 class KeyValueCacheOps(CacheOps):
-    """[`CacheOps`][safelens.backends._backend.CacheOps] of a `KeyValueCache`."""
+    """[`CacheOps`][safelens.backends._cache_ops.CacheOps] of a `KeyValueCache`."""
 
     layout = CacheLayout(
         pos_axis=1, heads_axis=2, rotary="pre", hook_prefix="blocks.{layer}.kv_cache"
