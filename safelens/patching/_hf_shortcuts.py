@@ -5,7 +5,7 @@ model (or a bridge) takes it, on the sweep's thread only:
 
 - *Layers before the patch*: [`skipping`][safelens.backends.hf._skip.skipping] does not
   run them and hands the corrupted run's residual stream to the first layer a pass runs.
-- *Runs of several layers in one pass* (on a plain HuggingFace model):
+- *Runs of several layers in one pass*:
   [`joining`][safelens.backends.hf._skip.joining] appends the runs of each later layer
   to the batch there.
 - *Last position only*: PyTorch forward pre-hooks keep the last position of the input
@@ -240,7 +240,7 @@ class Shortcuts:
         # A plain HuggingFace model's own modules (not a bridge's, with hook points inside).
         plain = partial and backend.family == "hf"
         lean = Lean(layers) if plain else None
-        stagger = skips and plain
+        stagger = skips and partial
         # Most shortcuts first; the pass replacements need none of the others.
         candidates = [
             (skips, trims, lean, stagger),
