@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -424,15 +425,17 @@ def attribution_rows(family: str, model: torch.nn.Module, length: int, sizes: Si
     return rows
 
 
-def rows(quick: bool = False) -> Iterator[Row]:
-    """Every grid against both peers, on both families, at every length of the mode, and
-    the attribution rows, as they are measured.
+def rows(quick: bool = False, lengths: tuple[int, ...] | None = None) -> Iterator[Row]:
+    """Every grid against both peers, on both families, at every length of the mode (or
+    `lengths`), and the attribution rows, as they are measured.
 
     Each library runs its own copy of the same weights (`grid_rows`, `attribution_rows`):
     nnsight's wrapper replaces the forward of every module of the model it is given, and
     pyvene sets `requires_grad = False` on its parameters.
     """
     sizes = QUICK if quick else FULL
+    if lengths:
+        sizes = dataclasses.replace(sizes, lengths=lengths)
     for family in ("llama", "gpt2"):
         model = model_of(family, sizes)
         yield from attribution_rows(family, model, sizes.lengths[0], sizes)
@@ -448,9 +451,12 @@ def run(quick: bool = False) -> list[Row]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short run for development")
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", help="prompt lengths to time (default: 32 and 128)"
+    )
     args = parser.parse_args()
     print(f"{'job':<110} {'ratio':>8}  agree  note", flush=True)
-    for row in rows(quick=args.quick):
+    for row in rows(quick=args.quick, lengths=tuple(args.lengths or ())):
         print(f"{row.job:<110} {row.ratio:>7.2f}×  {str(row.agree):<5}  {row.note}", flush=True)
 
 
