@@ -47,13 +47,13 @@ from ..core._errors import PatchingError
 from ..core._repr import summary_repr
 from ._attribution_pass import Read, Reads, corrupted_pass, qk_reads, site_for
 from ._clean_cache import CLEAN_CACHE_OF, axes_of, backend_sizes, check_clean_cache, shape_error
+from ._generic import generic_activation_patch
 from ._hf_sites import Site, _tokens, clean_activation, site_of
 from ._hf_sweeps import Run, _check_no_dropout, run_sweep
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
 from ._metric import Metric, check_metric
 from ._patterns import _check_pattern_hook
 from ._qk_fix import key_effects, query_effects, scores_function
-from ._sweeps import generic_activation_patch
 
 if TYPE_CHECKING:
     from transformer_lens import ActivationCache

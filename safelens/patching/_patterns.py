@@ -41,8 +41,11 @@ from jaxtyping import Float, Int
 from ..backends._backend import backend_of
 from ..backends._supported import SupportedModel
 from ..core._errors import PatchingError
+from ._generic import generic_activation_patch
 from ._hf_sites import _tokens
 from ._hf_sweeps import is_seam_model, seam_patch
+from ._limits import DEFAULT_MAX_BYTES
+from ._metric import Metric
 from ._setters import (
     Setter,
     SweepKeywords,
@@ -50,7 +53,6 @@ from ._setters import (
     layer_head_pattern_patch_setter,
     layer_head_pos_pattern_patch_setter,
 )
-from ._sweeps import DEFAULT_MAX_BYTES, Metric, generic_activation_patch
 
 if TYPE_CHECKING:
     from transformer_lens.patching import AxisNames
