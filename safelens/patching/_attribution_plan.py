@@ -28,7 +28,7 @@ from ..core._errors import PatchingError
 from ._attribution_pass import Read, qk_reads, site_for
 from ._hf_sites import Site
 from ._hf_sweeps import _check_no_dropout
-from ._patterns import _check_pattern_hook
+from ._pattern_hook import check_pattern_hook
 
 __all__ = ["ACTIVATIONS", "FIXED", "HEAD_SITES", "Activation", "Plan", "check_activations", "plan"]
 
@@ -113,7 +113,7 @@ def plan(
     _check_no_dropout(backend.model)
     if fixed or "pattern" in chosen:
         # The fix and pattern gradients read `hook_pattern`: attention must use its output.
-        _check_pattern_hook(model, tokens, f"{what}'s {'QK fix' if fixed else 'pattern grid'}")
+        check_pattern_hook(model, tokens, f"{what}'s {'QK fix' if fixed else 'pattern grid'}")
     return Plan(backend, chosen, sites, qk)
 
 
