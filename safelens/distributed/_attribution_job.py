@@ -21,7 +21,7 @@ from ..patching._attribution_dataset import (
     pairs_per_attribution_chunk,
 )
 from ..patching._attribution_plan import check_activations, plan
-from ..patching._dataset import PairMetric
+from ..patching._dataset_chunks import PairMetric
 from ._job import ShardedJob
 from ._pairs import checked_pairs, pairs_fingerprint
 

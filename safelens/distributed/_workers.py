@@ -36,7 +36,8 @@ from ..experiments._continuations import ContinuationScores
 from ..experiments._generation import Generation
 from ..patching._attribution_dataset import AttributionDatasetResult
 from ..patching._attribution_plan import HEAD_SITES, Activation
-from ..patching._dataset import PairMetric, PatchingResult
+from ..patching._dataset import PatchingResult
+from ..patching._dataset_chunks import PairMetric
 from ..patching._limits import DEFAULT_MAX_BYTES
 from ._attribution_job import attribution_job, attribution_result
 from ._job import ShardedJob, run_job

@@ -30,16 +30,8 @@ from ..experiments._prefix import token_limits
 from ._attribution import effects
 from ._attribution_pass import corrupted_pass
 from ._attribution_plan import HEAD_SITES, Activation, Plan, plan
-from ._dataset import (
-    PairMetric,
-    PatchingResult,
-    check_options,
-    clean_cache_of,
-    lone_pair_doubled,
-    pair_bytes,
-    pair_tokens,
-    summary,
-)
+from ._dataset import PatchingResult, check_options, pair_tokens, summary
+from ._dataset_chunks import PairMetric, clean_cache_of, lone_pair_doubled, pair_bytes
 from ._limits import DEFAULT_MAX_BYTES
 
 __all__ = ["AttributionDatasetResult", "attribution_patch_dataset"]
