@@ -19,7 +19,8 @@ from split_models import N_LAYERS, cache_devices, experiments, split_llama, unsp
 
 import safelens
 from safelens.backends._backend import backend_of
-from safelens.patching._hf_sites import clean_activation, layer_device, site_of
+from safelens.backends.hf._sites import layer_device
+from safelens.patching._hf_sites import clean_activation
 
 NEEDS_CUDA = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -49,7 +50,7 @@ def test_each_layer_s_device_is_read_from_the_model_without_running_it():
     devices = [layer_device(backend, layer).type for layer in range(N_LAYERS)]
     assert devices == ["cpu", "meta", "cpu", "meta"]
     _, clean_cache = safelens.run_with_patching_cache(unsplit(), torch.tensor([[1, 2, 3]]))
-    site = site_of(backend, "k", clean_cache)
+    site = backend.patch_site("k", clean_cache)
     placed = [clean_activation(backend, site, clean_cache, layer, 1, 3) for layer in range(4)]
     assert [tensor.device.type for tensor in placed] == devices
 

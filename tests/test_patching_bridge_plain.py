@@ -22,7 +22,7 @@ import safelens
 from safelens.backends.bridge._backend import BridgeBackend
 from safelens.backends.bridge._plain import plain_model
 from safelens.backends.hf._backend import HFBackend
-from safelens.patching import _hf_sweeps
+from safelens.patching import _hf_passes
 
 TOL = 1e-5
 SITES = [
@@ -38,13 +38,13 @@ SITES = [
 def passes_on(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The family of the model each sweep's patched passes ran on, in order."""
     families: list[str] = []
-    original = _hf_sweeps._Pass.__init__
+    original = _hf_passes.Pass.__init__
 
     def spy(self, backend, *args, **kwargs):
         families.append(backend.family)
         original(self, backend, *args, **kwargs)
 
-    monkeypatch.setattr(_hf_sweeps._Pass, "__init__", spy)
+    monkeypatch.setattr(_hf_passes.Pass, "__init__", spy)
     return families
 
 

@@ -25,7 +25,7 @@ from transformer_lens import patching
 
 import safelens
 from safelens import PatchingError, run_with_patching_cache
-from safelens.patching import _hf_sweeps
+from safelens.patching import _hf_passes
 from safelens.patching._hf_sites import ATTENTION_MODULES
 
 TOL = 1e-4
@@ -156,13 +156,13 @@ def test_bridge_sweep_batches_patches_and_leaves_no_hooks(monkeypatch):
         return forward(*args, **kwargs)
 
     patched = []
-    logits = _hf_sweeps._Pass.logits
+    logits = _hf_passes.Pass.logits
 
     def counted_patched(self, *args, **kwargs):
         patched.append(self.backend.family)
         return logits(self, *args, **kwargs)
 
-    monkeypatch.setattr(_hf_sweeps._Pass, "logits", counted_patched)
+    monkeypatch.setattr(_hf_passes.Pass, "logits", counted_patched)
     lm.forward = counted
     try:
         safelens.get_act_patch_attn_head_k_by_pos(
@@ -172,10 +172,11 @@ def test_bridge_sweep_batches_patches_and_leaves_no_hooks(monkeypatch):
         del lm.forward
     # 2 layers * 6 positions * 2 heads = 24 patches: one corrupted pass through the bridge
     # (then again on its plain HuggingFace model, which runs the rest), two passes that
-    # check the layer-skipping shortcut, and one pass per layer (each starting at its
-    # layer; on a model this small one pass covers every position), not one per patch.
+    # check the layer-skipping shortcut, two that check staggered passes, and one pass
+    # for every patch (each run entering at its layer; on a model this small one pass
+    # covers every position), not one per patch.
     assert len(passes) == 1
-    assert patched == ["hf"] * 4
+    assert patched == ["hf"] * 5
     assert all(not point._forward_hooks for point in lm.hook_dict.values())
 
 

@@ -27,8 +27,8 @@ import safelens
 from safelens import run_with_patching_cache
 from safelens.backends._backend import backend_of
 from safelens.backends.hf import _override, _skip
+from safelens.backends.hf._sites import decoder_layers
 from safelens.patching import _hf_shortcuts, _hf_sweeps
-from safelens.patching._hf_sites import _decoder_layers
 
 LAYERS, LENGTH = 4, 10
 
@@ -115,13 +115,13 @@ HF_SWEEPS = {
 def passes(monkeypatch):
     """The `(first layer, first position, runs)` of each sweep's passes, in order."""
     planned = []
-    plan = _hf_sweeps._passes
+    plan = _hf_sweeps.passes
 
     def spy(*args):
         planned.append(plan(*args))
         return planned[-1]
 
-    monkeypatch.setattr(_hf_sweeps, "_passes", spy)
+    monkeypatch.setattr(_hf_sweeps, "passes", spy)
     return planned
 
 
@@ -141,6 +141,9 @@ def test_hf_sweeps_take_the_shortcuts_and_equal_a_loop_of_hooked_forwards(
         got = sweep(lm, corrupted, clean_cache, last_only(2), progress=False)
         shortcuts = taken[-1]
         assert shortcuts.skips and shortcuts.trim, (name, sweep_name)
+        # One pass holds runs patched at several layers, each entering at its own.
+        assert shortcuts.stagger, (name, sweep_name)
+        assert any(len({run[1] for run in runs}) > 1 for _, _, runs in passes[-1]), sweep_name
         assert shortcuts.trim_mlp == (activation != "mlp_out")
         # Passes that patch nothing in the last layer run its MLP at the last position
         # alone, whatever the site (the MLP output's own patches included).
@@ -258,6 +261,32 @@ def test_a_family_that_carries_state_between_layers_is_caught_and_not_skipped(ta
     assert_left_as_found(lm)
 
 
+def test_a_staggered_pass_that_would_join_wrong_rows_is_caught_and_not_taken(
+    taken, passes, monkeypatch
+):
+    """Runs that join a pass with other hidden states than the corrupted run's fail the check.
+
+    A stand-in for a family whose layers need more than the residual stream entering
+    them: the joining rows are scaled, so a staggered pass would give other logits.
+    """
+    lm = model("llama", layers=LAYERS)
+    clean, corrupted = pair(2)
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    sweep = safelens.get_act_patch_resid_pre
+    exact = without_shortcuts(monkeypatch, sweep, lm, corrupted, clean_cache, last_only(2))
+    joining = _skip.joining
+
+    def scaled(layers, first, rows, joins):
+        return joining(layers, first, rows, {layer: 1.5 * h for layer, h in joins.items()})
+
+    monkeypatch.setattr(_hf_shortcuts, "joining", scaled)
+    got = sweep(lm, corrupted, clean_cache, last_only(2), progress=False)
+    assert taken[-1].skips and not taken[-1].stagger
+    assert all(len({run[1] for run in runs}) == 1 for _, _, runs in passes[-1])
+    assert (got - exact).abs().max() <= TOL
+    assert_left_as_found(lm)
+
+
 def test_a_pre_hook_of_the_users_acts_once_on_a_layer_a_pass_starts_at(taken, monkeypatch):
     lm = model("mistral", layers=LAYERS)
     clean, corrupted = pair(1)
@@ -366,7 +395,7 @@ def test_an_mlp_out_sweep_trims_the_last_mlp_only_in_passes_below_the_last_layer
     clean, corrupted = pair(2)
     _, clean_cache = run_with_patching_cache(lm, clean)
     trimmed: list[tuple[int, bool, bool]] = []
-    last_mlp = _decoder_layers(lm, LAYERS)[1][-1].mlp
+    last_mlp = decoder_layers(lm, LAYERS)[1][-1].mlp
     taken_of = _hf_shortcuts.Shortcuts.taken
 
     @contextmanager

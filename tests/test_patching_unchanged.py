@@ -126,13 +126,13 @@ def test_a_hooked_sweep_of_one_prompt_against_itself_runs_nothing(hooked_runs):
 def seam_runs(monkeypatch):
     """The runs each bridge or HuggingFace sweep plans passes for, counted."""
     counted = []
-    plan = _hf_sweeps._passes
+    plan = _hf_sweeps.passes
 
     def spy(backend, site, shortcuts, runs, *rest):
         counted.extend(runs)
         return plan(backend, site, shortcuts, runs, *rest)
 
-    monkeypatch.setattr(_hf_sweeps, "_passes", spy)
+    monkeypatch.setattr(_hf_sweeps, "passes", spy)
     return counted
 
 

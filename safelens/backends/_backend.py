@@ -40,6 +40,8 @@ from typing import Any, ClassVar, Literal, NamedTuple
 import torch
 from jaxtyping import Float, Int
 
+from ._sites import Site, tl_heads, tl_site
+
 __all__ = [
     "Backend",
     "CacheLayout",
@@ -413,6 +415,39 @@ class Backend(ABC):
         `attention_mask` is the full mask `[batch, past + new_tokens]`.
         """
         raise NotImplementedError(f"{self.family} models do not reuse residuals")
+
+    # -- patching sites (`safelens.backends._sites`) ----------------------------------------
+
+    def patch_site(self, activation: str, clean_cache: Any = None) -> Site:
+        """Where a patching sweep writes `activation` of each layer, and its clean cache's name.
+
+        `activation` is TransformerLens' short name (`k`, `resid_pre`, …; `TL_NAMES`);
+        `clean_cache` may settle where (a bridge's keys without `attn.hook_rot_k`). Here
+        TransformerLens' hook points; a family with other seams declares its own.
+
+        **Raises:** `PatchingError` where the family has no such activation, saying why.
+        """
+        return tl_site(activation, tl_heads(self, activation))
+
+    def read_site(self, activation: str) -> Site:
+        """Where attribution reads `activation` of each layer and its gradient."""
+        return tl_site(activation, tl_heads(self, activation))
+
+    def qk_sites(self) -> dict[str, Site]:
+        """The QK fix's sites by role, or a `PatchingError` where the family has none.
+
+        Roles: `qk_q`, `qk_k` the queries and keys attention scores (after the rotary
+        embedding), `scores` its scores before the softmax, `pattern` its pattern.
+        """
+        heads = tl_heads(self, "q")
+        rotary = "blocks.0.attn.hook_rot_q" in self.model.hook_dict
+        q, k = ("attn.hook_rot_q", "attn.hook_rot_k") if rotary else ("attn.hook_q", "attn.hook_k")
+        return {
+            "qk_q": tl_site("q", heads, q),
+            "qk_k": tl_site("k", self.n_kv_heads, k),
+            "scores": tl_site("scores", heads, "attn.hook_attn_scores"),
+            "pattern": tl_site("pattern", heads),
+        }
 
 
 # (class name in the MRO, its top-level module, the adapter module, the adapter class)

@@ -50,7 +50,7 @@ from ._attribution_pass import Reads, corrupted_pass
 from ._attribution_plan import FIXED, HEAD_SITES, Activation, Plan, plan
 from ._clean_cache import CLEAN_CACHE_OF, axes_of, backend_sizes, check_clean_cache, shape_error
 from ._generic import generic_activation_patch
-from ._hf_sites import Site, _tokens, clean_activation, site_of
+from ._hf_sites import Site, _tokens, clean_activation
 from ._hf_sweeps import Run, run_sweep
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
 from ._metric import Metric, check_metric
@@ -312,7 +312,7 @@ def verify(
         )
         assert isinstance(values, torch.Tensor)
         return values
-    site = site_of(backend, name, clean_cache)
+    site = backend.patch_site(name, clean_cache)
     batch, length = tokens.shape
     clean = [
         clean_activation(backend, site, clean_cache, layer, batch, length)

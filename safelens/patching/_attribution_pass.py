@@ -31,9 +31,9 @@ import torch
 from ..backends._backend import Backend
 from ..core._errors import PatchingError
 from ..core._thread_hooks import thread_hooks
-from ._hf_sites import TL_NAMES, Site, site_edits, site_of
+from ._hf_sites import site_edits
 
-__all__ = ["Read", "Reads", "corrupted_pass", "qk_reads", "site_for"]
+__all__ = ["Read", "Reads", "corrupted_pass"]
 
 
 @dataclass(frozen=True)
@@ -53,54 +53,6 @@ class Reads:
     value: torch.Tensor
     acts: dict[tuple[str, int], torch.Tensor]
     grads: dict[tuple[str, int], torch.Tensor]
-
-
-def _tl_site(activation: str, heads: int, name: str | None = None) -> Site:
-    """A site at TransformerLens' hook point `blocks.{layer}.{name}` (position-major)."""
-    suffix = name or TL_NAMES[activation]
-
-    def hook(layer: int) -> str:
-        return f"blocks.{layer}.{suffix}"
-
-    if activation == "pattern" or activation == "scores":
-        return Site(activation, hook, hook, 2, 1, heads)
-    return Site(activation, hook, hook, 1, 2, heads)
-
-
-def _heads(backend: Backend, activation: str) -> int:
-    if activation in ("k", "v"):
-        return backend.n_kv_heads
-    if activation in ("q", "z", "pattern"):
-        config = getattr(backend.model, "cfg", None) or backend.config  # type: ignore[attr-defined]
-        return int(getattr(config, "n_heads", None) or config.num_attention_heads)
-    return 0
-
-
-def site_for(backend: Backend, activation: str, clean_cache: Any) -> Site:
-    """Where attribution reads `activation` on `backend` (module notes), or a `PatchingError`."""
-    if backend.family == "hf":
-        return site_of(backend, activation, clean_cache)
-    return _tl_site(activation, _heads(backend, activation))
-
-
-def qk_reads(backend: Backend) -> dict[str, Site]:
-    """The QK fix's sites by role, or a `PatchingError` where the family has none.
-
-    Roles: `qk_q`, `qk_k` the queries and keys attention scores (after the rotary
-    embedding), `scores` its scores before the softmax, `pattern` its pattern.
-    """
-    if backend.family == "hf":
-        sites = {"qk_q": "q", "qk_k": "k", "scores": "attn_scores", "pattern": "pattern"}
-        return {role: site_of(backend, activation) for role, activation in sites.items()}
-    heads = _heads(backend, "q")
-    rotary = "blocks.0.attn.hook_rot_q" in backend.model.hook_dict
-    q, k = ("attn.hook_rot_q", "attn.hook_rot_k") if rotary else ("attn.hook_q", "attn.hook_k")
-    return {
-        "qk_q": _tl_site("q", heads, q),
-        "qk_k": _tl_site("k", backend.n_kv_heads, k),
-        "scores": _tl_site("scores", heads, "attn.hook_attn_scores"),
-        "pattern": _tl_site("pattern", heads),
-    }
 
 
 def corrupted_pass(

@@ -1,10 +1,11 @@
 """What one attribution reads: `Plan`, the activations' sites and the QK fix's.
 
 `attribution_patch` (and its dataset and Ray forms) names the grids to estimate, of
-`ACTIVATIONS`; `plan` checks that choice and the model, and finds where the model's
-family reads each activation (`safelens.patching._attribution_pass`): the keys,
-queries, values, head outputs, patterns and node sites, and, with the QK fix on keys or
-queries, the queries, keys, scores and pattern the fix recomputes attention from. A
+`ACTIVATIONS`; `plan` checks that choice and the model, and asks the model family's
+adapter where it reads each activation (`Backend.read_site`, `safelens.backends._sites`;
+the table in `safelens.patching._attribution_pass`): the keys, queries, values, head
+outputs, patterns and node sites, and, with the QK fix on keys or queries, the queries,
+keys, scores and pattern the fix recomputes attention from (`Backend.qk_sites`). A
 `Plan` then says which clean activations the estimates read and which tensors (and
 gradients) the corrupted pass keeps.
 
@@ -25,7 +26,7 @@ import torch
 from ..backends._backend import Backend, backend_of
 from ..core._arguments import flag
 from ..core._errors import PatchingError
-from ._attribution_pass import Read, qk_reads, site_for
+from ._attribution_pass import Read
 from ._hf_sites import Site
 from ._hf_sweeps import _check_no_dropout
 from ._pattern_hook import check_pattern_hook
@@ -108,8 +109,8 @@ def plan(
     fixed = qk_fix and bool(FIXED & set(chosen))
     if backend.family == "hooked":
         _check_hooked_attention(model.cfg, fixed)
-    sites: dict[str, Site] = {name: site_for(backend, name, clean_cache) for name in chosen}
-    qk = qk_reads(backend) if fixed else None
+    sites: dict[str, Site] = {name: backend.read_site(name) for name in chosen}
+    qk = backend.qk_sites() if fixed else None
     _check_no_dropout(backend.model)
     if fixed or "pattern" in chosen:
         # The fix and pattern gradients read `hook_pattern`: attention must use its output.

@@ -45,7 +45,7 @@ from ..backends._backend import backend_of
 from ..backends._supported import SupportedModel
 from ..core._errors import PatchingError
 from ._clean_cache import CLEAN_CACHE_OF, backend_sizes, check_clean_cache, hooked_sizes
-from ._hf_sites import TL_NAMES, _tokens, clean_activation, site_of
+from ._hf_sites import TL_NAMES, _tokens, clean_activation
 from ._hf_sweeps import is_seam_model
 from ._pattern_hook import check_pattern_hook
 from ._patterns import (
@@ -94,7 +94,7 @@ def _check_seam_model(
         if activation == "pattern":
             check_pattern_hook(model, tokens, bundle)
         try:
-            site = site_of(backend, activation, clean_cache)
+            site = backend.patch_site(activation, clean_cache)
             for layer in range(backend.n_layers):
                 site.hook(layer)
                 clean_activation(backend, site, clean_cache, layer, *tokens.shape)

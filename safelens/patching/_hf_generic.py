@@ -33,7 +33,7 @@ import torch
 from ..backends._backend import Backend, backend_of
 from ..core._errors import PatchingError
 from ._clean_cache import CLEAN_CACHE_OF, axes_of, backend_sizes, check_clean_cache, shape_error
-from ._hf_sites import TL_NAMES, Site, _tokens, clean_activation, site_of
+from ._hf_sites import TL_NAMES, Site, _tokens, clean_activation
 from ._hf_sweeps import Editor, Run, run_sweep
 from ._index import check_index_choice, check_setter_result, index_grid
 from ._limits import _check_limits
@@ -156,7 +156,7 @@ def _hf_site(
             "patch on a HuggingFace model; name one of "
             f"{', '.join(sorted(TL_NAMES))}, as get_act_name spells them"
         )
-    site = site_of(backend, activation, clean_cache)
+    site = backend.patch_site(activation, clean_cache)
     clean = [
         clean_activation(backend, site, clean_cache, layer, batch, length)
         for layer in range(backend.n_layers)

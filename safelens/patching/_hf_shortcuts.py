@@ -6,6 +6,12 @@ A patched run needs only what its metric reads and what its patch can change:
   may start at layer `l` with the corrupted run's residual stream entering it
   ([`skipping`][safelens.backends.hf._skip.skipping]: the layers before are not run,
   on the sweep's thread only).
+- *Runs that enter at their own layers* (a staggered pass, on a plain HuggingFace
+  model): the runs of one pass, patched at several layers, are stacked in layer order;
+  the pass starts at the earliest, and the runs patched at each later layer join the
+  batch there with the corrupted run's residual stream
+  ([`joining`][safelens.backends.hf._skip.joining]), so a pass runs each layer on the
+  rows that need it, and one pass serves every layer.
 - *Last position only.* A metric that says it reads only the last position's logits
   (`metric.last_position_only`, as [`logit_diff_metric`][safelens.logit_diff_metric]'s
   does) gets `[rows, 1, d_vocab]`: the last layer's MLP runs the last position alone
@@ -15,10 +21,11 @@ A patched run needs only what its metric reads and what its patch can change:
   (the MLP's output is then added to every position of the residual stream; only the
   last is read), acting in the sweep's thread only.
 
-Both are checked once per sweep, on the model itself: the unpatched corrupted tokens run
+All are checked once per sweep, on the model itself: the unpatched corrupted tokens run
 with the shortcuts from the last layer (from the first and from the middle position)
-and from every other layer (the last position alone), and must give the corrupted run's
-logits (within 1e-4 of the largest logit in float32, 3e-2 in half precision). A family
+and from every other layer (the last position alone), and, staggered, with a run
+entering at each layer (from the middle position, and from layer 1 at the last
+position), and must give the corrupted run's logits (within 1e-4 of the largest logit in float32, 3e-2 in half precision). A family
 where a shortcut does not hold (one that carries state from layer to layer beside the
 residual stream, an MLP whose output is not added to the residual stream) fails the
 check, by its logits or by an error raised in the libraries' code, and runs without it:
@@ -47,18 +54,21 @@ import torch
 
 from ..backends._backend import Backend
 from ..backends.hf._override import overriding
-from ..backends.hf._skip import output_form, skipping
+from ..backends.hf._sites import decoder_layers
+from ..backends.hf._skip import joining, output_form, skipping
 from ..core._thread_hooks import LIBRARIES
 from ._hf_lean import Lean
-from ._hf_sites import _decoder_layers
 from ._metric import reads_last_position
 
-__all__ = ["Shortcuts", "captured", "tolerance"]
+__all__ = ["Check", "Shortcuts", "captured", "tolerance"]
 
 # Sites whose patch at the last layer sits before that layer's MLP.
 _BEFORE_MLP = frozenset({"k", "v", "q", "z", "pattern", "resid_pre", "resid_mid", "attn_out"})
 # Tolerance of the check, relative to the largest logit: float32 (and wider), else half.
 _TOLERANCE = {True: 1e-4, False: 3e-2}
+# `check(shortcuts, entries, start)`: whether an unpatched pass from position `start`
+# whose runs enter at the layers `entries` gives the corrupted run's logits.
+Check = Callable[["Shortcuts", list[int], int], bool]
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -87,7 +97,7 @@ def captured(backend: Backend) -> Iterator[tuple[list[Any], list[Any]]]:
     layer `l`, `forms[l]` how layer `l` returned its own
     ([`output_form`][safelens.backends.hf._skip.output_form]).
     """
-    _, layers = _decoder_layers(backend.model, backend.n_layers)
+    _, layers = decoder_layers(backend.model, backend.n_layers)
     me = threading.get_ident()
     inputs: list[Any] = [None] * len(layers)
     forms: list[Any] = [None] * len(layers)
@@ -139,27 +149,57 @@ class Shortcuts:
     partial: bool = True
     # The replacements inside a pass it takes (`safelens.patching._hf_lean`), if any.
     lean: Lean | None = None
+    # Whether a pass's runs enter at their own layers (`joining`), in one pass.
+    stagger: bool = False
 
     layers: torch.nn.ModuleList = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.layers = _decoder_layers(self.backend.model, self.backend.n_layers)[1]
+        self.layers = decoder_layers(self.backend.model, self.backend.n_layers)[1]
 
     def first_layer(self, layer: int) -> int:
         """The layer a pass whose earliest patch sits at `layer` starts at."""
         return layer if self.skips else 0
 
-    @contextmanager
-    def taken(self, first: int, start: int, runs: int, last_patched: bool = True) -> Iterator[None]:
-        """Within the block, this thread's pass from position `start` starts at layer `first`.
+    def entries(self, first: int, runs: int, layers: list[int] | None) -> list[int]:
+        """The layer each of a pass's `runs` runs enters at: its patch's `layers` when staggered.
 
-        `last_patched`: whether the pass patches anything in the last layer.
+        `layers` are in the pass's run order, which puts earlier layers first.
+        """
+        if not self.stagger or layers is None:
+            return [first] * runs
+        return [max(first, self.first_layer(layer)) for layer in layers]
+
+    @contextmanager
+    def taken(
+        self, first: int, start: int, entries: list[int], last_patched: bool = True
+    ) -> Iterator[None]:
+        """Within the block, this thread's pass from position `start` runs `entries`' runs.
+
+        A run enters at its layer in `entries` (non-decreasing, the first is `first`):
+        the layers before `first` are skipped, and a later run joins the batch at its
+        layer with the corrupted run's residual stream (`joining`). `last_patched`:
+        whether the pass patches anything in the last layer.
         """
         me = threading.get_ident()
+        runs = len(entries)
+        batch = self.residuals[0].shape[0]
+        at_first = entries.count(first)
         with ExitStack() as stack:
             if first:
-                residual = self.residuals[first][:, start:].repeat(runs, 1, 1)
+                residual = self.residuals[first][:, start:].repeat(at_first, 1, 1)
                 stack.enter_context(skipping(self.layers, first, residual, self.forms))
+            if at_first < runs:
+                rows = [
+                    batch * sum(entry <= layer for entry in entries)
+                    for layer in range(len(self.layers))
+                ]
+                joins = {
+                    layer: self.residuals[layer][:, start:].repeat(entries.count(layer), 1, 1)
+                    for layer in sorted(set(entries))
+                    if layer > first
+                }
+                stack.enter_context(joining(self.layers, first, rows, joins))
             if self.trim:
                 modules = [_unembedding(self.backend)]
                 if self.trim_mlp or (self.trim_mlp_early and not last_patched):
@@ -170,7 +210,8 @@ class Shortcuts:
                     )
                     stack.callback(handle.remove)
             if self.lean is not None:
-                stack.enter_context(overriding(self.lean.replacements(first, runs, self.trim)))
+                chosen = self.lean.replacements(first, at_first, self.trim)
+                stack.enter_context(overriding(chosen))
             yield
 
     @classmethod
@@ -181,10 +222,10 @@ class Shortcuts:
         metric: object,
         inputs: list[Any],
         forms: list[Any],
-        check: Callable[[Shortcuts, int, int], bool],
+        check: Check,
         partial: bool = True,
     ) -> Shortcuts:
-        """The shortcuts `check(shortcuts, first, start)` finds exact on this model (module notes).
+        """The shortcuts `check(shortcuts, entries, start)` finds exact on this model (module notes).
 
         `partial=False` (a user's hook attached): passes run every position, so no
         trims, and the checks start at position 0.
@@ -197,21 +238,25 @@ class Shortcuts:
             for form, tensor in zip(forms, inputs, strict=True)
         )
         trims = partial and last_only and isinstance(_unembedding(backend), torch.nn.Module)
-        layers = _decoder_layers(backend.model, n_layers)[1]
+        layers = decoder_layers(backend.model, n_layers)[1]
         mlp = getattr(layers[-1], "mlp", None)
         has_mlp = isinstance(mlp, torch.nn.Module)
         trim_mlp = activation in _BEFORE_MLP and has_mlp
         # A plain HuggingFace model's own modules (not a bridge's, with hook points inside).
-        lean = Lean(layers) if partial and backend.family == "hf" else None
+        plain = partial and backend.family == "hf"
+        lean = Lean(layers) if plain else None
+        stagger = skips and plain
         # Most shortcuts first; the pass replacements need none of the others.
         candidates = [
-            (skips, trims, lean),
-            (skips, trims, None),
-            (skips, False, lean),
-            (skips, False, None),
-            (False, trims, None),
+            (skips, trims, lean, stagger),
+            (skips, trims, None, stagger),
+            (skips, trims, lean, False),
+            (skips, trims, None, False),
+            (skips, False, lean, False),
+            (skips, False, None, False),
+            (False, trims, None, False),
         ]
-        for skip, trim, leaner in dict.fromkeys(candidates):
+        for skip, trim, leaner, staggered in dict.fromkeys(candidates):
             chosen = cls(
                 backend,
                 residuals,
@@ -223,6 +268,7 @@ class Shortcuts:
                 trim_mlp_early=trim and has_mlp,
                 partial=partial,
                 lean=leaner,
+                stagger=staggered,
             )
             if (skip or trim or leaner is not None) and _holds(check, chosen):
                 return chosen
@@ -232,22 +278,26 @@ class Shortcuts:
         return tolerance(self.backend.dtype)
 
 
-def _holds(check: Callable[[Shortcuts, int, int], bool], shortcuts: Shortcuts) -> bool:
+def _holds(check: Check, shortcuts: Shortcuts) -> bool:
     """Whether passes with `shortcuts` give the corrupted run's logits (module notes).
 
     Skipping: from the last layer over every position and from the middle one, and from
     every other layer at the last position (a family that carries state from layer to
-    layer beside the residual stream fails there).
+    layer beside the residual stream fails there). Staggered: a run entering at each
+    layer, from the middle position, and from layer 1 on at the last position.
     """
     length = shortcuts.residuals[0].shape[1]
-    last = len(shortcuts.residuals) - 1 if shortcuts.skips else 0
+    n_layers = len(shortcuts.residuals)
+    last = n_layers - 1 if shortcuts.skips else 0
     if shortcuts.partial:
-        checks = [(last, 0), (last, length // 2)]
-        checks += [(first, length - 1) for first in range(1, last)]
+        checks = [([last], 0), ([last], length // 2)]
+        checks += [([first], length - 1) for first in range(1, last)]
     else:
-        checks = [(first, 0) for first in range(last, 0, -1)] or [(0, 0)]
+        checks = [([first], 0) for first in range(last, 0, -1)] or [([0], 0)]
+    if shortcuts.stagger:
+        checks += [(list(range(n_layers)), length // 2), (list(range(1, n_layers)), length - 1)]
     try:
-        return all(check(shortcuts, first, start) for first, start in checks)
+        return all(check(shortcuts, entries, start) for entries, start in checks)
     except Exception as error:
         if not _raised_in_libraries(error):
             raise  # the user's code (a hook, a module of theirs): theirs to see

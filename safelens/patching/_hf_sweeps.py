@@ -8,11 +8,13 @@ once into a frozen [`HFKeyValueCache`][safelens.HFKeyValueCache]. A patch at lay
 position `p` (an attention pattern's destination position: the row it patches spans
 every source position, the keys of positions before `p` included, and changes the head's
 output at `p` alone) changes nothing before `l` or before `p` in a causal model, so the patched
-runs are grouped by layer and by `p` rounded down to a multiple of a span (chosen per
-layer by a cost model, `_passes`); each group's runs are stacked along the batch,
-`batch` rows per run, and run only positions `p:` through the model, on forks of the
-corrupted cache cropped to `p` and broadcast to every row (`cropped(p).expand(rows)`),
-starting at layer `l` with the corrupted run's residual stream, and, for a
+runs are grouped by `p` rounded down to a multiple of a span (chosen by a cost model,
+`safelens.patching._hf_passes`), and by layer where a pass cannot take runs of several; each group's runs
+are stacked along the batch, `batch` rows per run, in layer order, and run only
+positions `p:` through the model, on forks of the corrupted cache cropped to `p` and
+broadcast to every row (`cropped(p).expand(rows)`), each run entering at its layer `l`
+with the corrupted run's residual stream (the earliest starts the pass, the others join
+it there), and, for a
 metric that reads only the last position, unembedding that position alone
 (`safelens.patching._hf_shortcuts`, which checks once per sweep that both shortcuts hold
 on the model). The logits of positions `< p` are the corrupted run's. While a hook of
@@ -35,7 +37,6 @@ everything else a sweep attaches acts on its own thread only.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,14 +47,12 @@ from ..backends._backend import Backend, backend_of
 from ..core._errors import PatchingError
 from ..core._thread_hooks import hooked_anywhere
 from ._clean_cache import CLEAN_CACHE_OF, backend_sizes, check_clean_cache
+from ._hf_passes import Editor, Pass, Run, passes
 from ._hf_shortcuts import Shortcuts, captured, tolerance
 from ._hf_sites import (
     Site,
     _tokens,
     clean_activation,
-    put,
-    site_edits,
-    site_of,
 )
 from ._limits import _check_limits
 from ._metric import Metric, _Metric
@@ -61,17 +60,8 @@ from ._unchanged import idle_runs, seeing
 
 __all__ = ["Editor", "Run", "is_seam_model", "run_sweep", "seam_patch"]
 
-# Runs patched at positions `p0 … p0 + span - 1` share one pass that starts at `p0`.
-_SPANS = (1, 2, 4, 8, 16)
 # Sites a bridge's plain HuggingFace model may run for it (`_on_plain_model`).
 _ON_PLAIN_MODEL = frozenset({"resid_pre", "attn_out", "mlp_out", "k", "v"})
-# Activations computed after a layer's keys and values: a patch changes its own position.
-_OWN_POSITION = frozenset({"q", "z", "attn_out", "resid_mid", "mlp_out"})
-# What one pass costs beyond its arithmetic, in multiply-adds: once, and per layer run (a
-# CPU estimate; it only sets how runs are grouped into passes).
-_OVERHEAD = {"bridge": (1.5e8, 6e7), "hf": (6e7, 2e7)}
-# (slot in the result, layer, position or None, head or None, source position or None)
-Run = tuple[int, int, "int | None", "int | None", "int | None"]
 
 
 def is_seam_model(model: Any) -> bool:
@@ -112,7 +102,7 @@ def seam_patch(
     """
     _check_limits(max_batch, max_bytes, progress)
     backend = backend_of(model, "patching")
-    site = site_of(backend, activation, clean_cache)
+    site = backend.patch_site(activation, clean_cache)
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
     check_clean_cache(clean_cache, backend_sizes(backend), CLEAN_CACHE_OF[backend.family])
     batch, length = tokens.shape
@@ -134,11 +124,6 @@ def seam_patch(
     return run_sweep(
         backend, site, tokens, clean, runs, shape, patching_metric, max_batch, max_bytes, progress
     )
-
-
-# How a generic sweep edits one layer's activation: `(layer, [(run's place in its pass,
-# run)]) -> edit`; `None` for the sweeps' own patches.
-Editor = Callable[[int, list[tuple[int, "Run"]]], Callable[[torch.Tensor], torch.Tensor]]
 
 
 def run_sweep(
@@ -173,12 +158,12 @@ def run_sweep(
             corrupted = _on_plain_model(reference, tokens, mask)
         backend, site = corrupted.backend, corrupted.site
         corrupted_logits = corrupted.logits
-        pass_ = _Pass(backend, site, tokens, mask, corrupted.cache, clean, editor)
+        pass_ = Pass(backend, site, tokens, mask, corrupted.cache, clean, editor)
 
-        def check(shortcuts: Shortcuts, first: int, start: int) -> bool:
-            logits = pass_.logits(shortcuts, [], first, start, 1)
+        def check(shortcuts: Shortcuts, entries: list[int], start: int) -> bool:
+            logits = pass_.logits(shortcuts, [], entries[0], start, len(entries), entries)
             expected = corrupted_logits[:, -1:] if shortcuts.last_only else corrupted_logits
-            expected = expected[:, -logits.shape[1] :]
+            expected = expected[:, -logits.shape[1] :].repeat(len(entries), 1, 1)
             return logits.shape == expected.shape and _close(
                 logits, expected, shortcuts.tolerance()
             )
@@ -201,14 +186,16 @@ def run_sweep(
             runs = [run for run in runs if run[0] not in skipped]
         with tqdm(total=len(runs) + len(idle), disable=not progress, desc="patching") as bar:
             bar.update(len(idle))
-            passes = _passes(backend, site, shortcuts, runs, length, batch, editor is None)
-            for first, start, group in passes:
+            planned = passes(backend, site, shortcuts, runs, length, batch, editor is None)
+            for first, start, group in planned:
                 rows = _rows_limit(backend, site.heads or 1, length - start, length, max_bytes)
                 per_pass = max(1, rows // batch)
                 per_pass = min(per_pass, max_batch) if max_batch else per_pass
                 for at in range(0, len(group), per_pass):
                     chunk = group[at : at + per_pass]
-                    logits = pass_.logits(shortcuts, chunk, first, start, len(chunk))
+                    entry = max(first, shortcuts.first_layer(chunk[0][1]))
+                    entry = entry if shortcuts.stagger else first
+                    logits = pass_.logits(shortcuts, chunk, entry, start, len(chunk))
                     if start and logits.shape[1] < length and not shortcuts.last_only:
                         before = corrupted_logits[:, :start].repeat(len(chunk), 1, 1)
                         logits = torch.cat([before, logits], dim=1)
@@ -260,7 +247,7 @@ def _on_plain_model(run: _Corrupted, tokens: torch.Tensor, mask: torch.Tensor) -
         backend = run.backend.plain()  # type: ignore[attr-defined]
         if backend is None:
             return run
-        site = site_of(backend, run.site.activation)
+        site = backend.patch_site(run.site.activation)
         twin = _corrupted_run(backend, site, tokens, mask, False)
     except Exception:  # noqa: BLE001 - no hook of the user's is attached: the model's own
         return run
@@ -296,169 +283,3 @@ def _check_no_dropout(model: torch.nn.Module) -> None:
                 "every patched run would drop other units, and the corrupted run it reuses "
                 "yet others, so the numbers would be noise; call model.eval() first"
             )
-
-
-def _passes(
-    backend: Backend,
-    site: Site,
-    shortcuts: Shortcuts,
-    runs: list[Run],
-    length: int,
-    batch: int,
-    own_patches: bool = True,
-) -> list[tuple[int, int, list[Run]]]:
-    """The sweep's passes `(first layer, first position, runs)`, cheapest by a cost model.
-
-    Runs start at the layer of their patch (when the shortcut holds) and at their
-    position rounded down to a multiple of a span; the span of each layer's runs
-    minimises the estimated cost: `_OVERHEAD[family]` per pass and per layer it runs (in
-    multiply-adds), plus the multiply-adds of every row, layer and position it runs.
-    For a metric of the last position, every patch in the last layer runs the last
-    position alone: a key or value patch changes only what that position reads (patched
-    where the cache hands the last layer every position, `Site.full`), and a patch of an
-    activation computed after the keys and values (`_OWN_POSITION`) changes only its own
-    position, so one at an earlier position gives the corrupted run's logits. Not for
-    a generic sweep's runs (`own_patches=False`), whose setter may write any position.
-    """
-    last = backend.n_layers - 1
-    late = (
-        own_patches
-        and shortcuts.partial
-        and shortcuts.last_only
-        and (site.full is not None or site.activation in _OWN_POSITION)
-        and (shortcuts.skips or last == 0)
-    )
-    passes = [(last, length - 1, [run for run in runs if run[1] == last])] if late else []
-    runs = [run for run in runs if not (late and run[1] == last)]
-    config = backend.config  # type: ignore[attr-defined]
-    d_model = backend.d_model
-    d_mlp = getattr(config, "intermediate_size", None) or 4 * d_model
-    per_position = d_model * (4 * d_model + 3 * d_mlp)
-    once, per_layer = _OVERHEAD.get(backend.family, _OVERHEAD["hf"])
-    by_layer: dict[int, list[Run]] = {}
-    for run in runs:
-        by_layer.setdefault(shortcuts.first_layer(run[1]), []).append(run)
-    for first, group in sorted(by_layer.items()):
-        layers = backend.n_layers - first
-        overhead = (once + per_layer * layers) / per_position
-        costs = {
-            span: sum(
-                overhead + layers * len(chunk) * batch * (length - start)
-                for start, chunk in _grouped(group, span).items()
-            )
-            for span in (_SPANS if shortcuts.partial else (length,))
-        }
-        span = min(costs, key=costs.__getitem__)
-        passes += [(first, start, chunk) for start, chunk in sorted(_grouped(group, span).items())]
-    return passes
-
-
-def _grouped(runs: list[Run], span: int) -> dict[int, list[Run]]:
-    """`runs` by the position their pass starts at: theirs, rounded down to a multiple of `span`."""
-    starts: dict[int, list[Run]] = {}
-    for run in runs:
-        start = run[2] - run[2] % span if run[2] is not None else 0
-        starts.setdefault(start, []).append(run)
-    return starts
-
-
-class _Pass:
-    """The patched passes of one sweep: its model, tokens, corrupted cache and clean values."""
-
-    def __init__(
-        self,
-        backend: Backend,
-        site: Site,
-        tokens: torch.Tensor,
-        mask: torch.Tensor,
-        corrupted: Any,
-        clean: list[torch.Tensor],
-        editor: Editor | None = None,
-    ) -> None:
-        self.backend, self.site, self.tokens, self.mask = backend, site, tokens, mask
-        self.corrupted, self.clean, self.editor = corrupted, clean, editor
-
-    def logits(
-        self, shortcuts: Shortcuts, chunk: list[Run], first: int, start: int, runs: int
-    ) -> torch.Tensor:
-        """Logits of `runs` patched runs (`chunk`; none: unpatched) from layer `first`, position `start`.
-
-        Positions `start:`, `batch` rows per run; the last position alone when the metric
-        reads only that.
-        """
-        backend, site, tokens = self.backend, self.site, self.tokens
-        batch = tokens.shape[0]
-        device = tokens.device
-        if start:
-            prefix = self.corrupted.cropped(start)
-            prefix = (
-                prefix.expand(runs)
-                if batch == 1
-                else prefix.select(torch.arange(batch).repeat(runs))
-            )
-            prefix.freeze()
-        else:
-            prefix = backend.empty_cache(batch * runs)
-        edits: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
-        hooks: dict[int, str | None] = {}
-        # `_passes`' last-layer group: the last position of the last layer alone.
-        late = first == backend.n_layers - 1 and start == tokens.shape[1] - 1
-        full = late and site.full is not None
-        for layer in sorted({run[1] for run in chunk}):
-            # A run before `start` is an own-position patch in `_passes`' last-layer group:
-            # it changes nothing the metric reads, so it runs unpatched.
-            at = [
-                i
-                for i, run in enumerate(chunk)
-                if run[1] == layer and (full or run[2] is None or run[2] >= start)
-            ]
-            if not at:
-                continue
-            if self.editor is not None:
-                hooks[layer] = site.hook(layer)
-                edits[layer] = self.editor(layer, [(i, chunk[i]) for i in at])
-                continue
-            offsets = torch.arange(batch, device=device)
-            row = (torch.tensor(at, device=device)[:, None] * batch + offsets).reshape(-1)
-            pos, head, src = (
-                torch.tensor(
-                    [chunk[i][k] for i in at if chunk[i][k] is not None],
-                    dtype=torch.long,
-                    device=device,
-                ).repeat_interleave(batch)
-                for k in (2, 3, 4)
-            )
-            index = (row, offsets.repeat(len(at)), pos, head, src)
-            if full:
-                hooks[layer] = site.full(layer)  # type: ignore[misc]
-                edits[layer] = _edit(site, self.clean[layer], index, 0)
-            else:
-                hooks[layer] = site.hook(layer)
-                edits[layer] = _edit(site, self.clean[layer], index, start)
-        hooked = [(hooks[layer], edit) for layer, edit in edits.items() if hooks[layer] is not None]
-        inputs = {layer: edit for layer, edit in edits.items() if hooks[layer] is None}
-        fwd_hooks = [(name, _as_hook(edit)) for name, edit in hooked]
-        last_patched = any(run[1] == backend.n_layers - 1 for run in chunk)
-        taken = shortcuts.taken(first, start, runs, last_patched)
-        with taken, site_edits(backend, {site.activation: inputs}):
-            with backend.pass_hooks(prefix, fwd_hooks):  # type: ignore[arg-type]
-                # `forward`, not `forward_continuations`: reading the prefix once per layer
-                # (`shared_prefix`) costs more than it saves on a pass of this many rows
-                # and new positions (a quarter more on a 256-token key grid).
-                logits = backend.forward(
-                    tokens[:, start:].repeat(runs, 1), self.mask.repeat(runs, 1), prefix
-                )
-        return logits[:, -1:] if shortcuts.last_only else logits
-
-
-def _edit(
-    site: Site, clean: torch.Tensor, index: tuple[torch.Tensor, ...], start: int
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda tensor: put(site, tensor, clean, index, start)
-
-
-def _as_hook(edit: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
-    def hook(tensor: torch.Tensor, hook: Any = None) -> torch.Tensor:
-        return edit(tensor)
-
-    return hook

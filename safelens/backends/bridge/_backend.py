@@ -37,12 +37,14 @@ import torch
 
 from ...core._thread_hooks import hooked_anywhere
 from .._backend import Backend, CacheLayout, FwdHooks, NamesFilter
+from .._sites import Site
 from ..hf._backend import HFBackend, HFCacheOps, pass_inputs
 from ..hf._cache import HFKeyValueCache
 from ..hf._model import forward_cache_argument
 from ._cache_pass import cache_pass
 from ._hooks import bridge_hooks, select_cache_hooks, thread_bridge_hooks
 from ._plain import agrees, plain_model
+from ._sites import bridge_site
 
 __all__ = ["BRIDGE_CACHE", "BridgeBackend"]
 
@@ -112,6 +114,17 @@ class BridgeBackend(HFBackend):
     ) -> Any:
         """Plain passes: the bridge's attention is its own, with no shared-prefix read."""
         return self._call(tokens, attention_mask, cache)
+
+    def patch_site(self, activation: str, clean_cache: Any = None) -> Site:
+        """Its hook points, keys and values at its cache (`safelens.backends.bridge._sites`)."""
+        return bridge_site(self, activation, clean_cache)
+
+    def read_site(self, activation: str) -> Site:
+        """TransformerLens' hook points, as on a `HookedTransformer`."""
+        return Backend.read_site(self, activation)
+
+    def qk_sites(self) -> dict[str, Site]:
+        return Backend.qk_sites(self)
 
     def plain(self) -> HFBackend | None:
         """An `HFBackend` of the bridge's model without its components, or `None` (`._plain`)."""

@@ -32,11 +32,13 @@ from ...core._errors import CacheShapeError
 from ...core._fit import check_fits
 from ...core._storage import Sequence
 from .._backend import Backend, CacheLayout, CacheOps, CacheShape, FwdHooks, NamesFilter
+from .._sites import Site
 from ._cache import HFKeyValueCache
 from ._layer import HFCacheLayer
 from ._model import forward_cache_argument, forward_parameters, hf_cache_argument
 from ._run import attach_hooks, module_hooks, run, select_cache_hooks
 from ._shared_attention import shared_prefix
+from ._sites import hf_site
 
 __all__ = ["HF_CACHE", "HFBackend", "pass_inputs"]
 
@@ -279,6 +281,17 @@ class HFBackend(Backend):
 
     def write_hook(self, layer: int, target: Literal["keys", "values"]) -> str:
         return HF_CACHE.layout.hook_name(layer, f"hook_{target[0]}_new")
+
+    def patch_site(self, activation: str, clean_cache: Any = None) -> Site:
+        """The model's seams and cache hooks (`safelens.backends.hf._sites`)."""
+        return hf_site(self, activation)
+
+    def read_site(self, activation: str) -> Site:
+        return hf_site(self, activation)
+
+    def qk_sites(self) -> dict[str, Site]:
+        roles = {"qk_q": "q", "qk_k": "k", "scores": "attn_scores", "pattern": "pattern"}
+        return {role: hf_site(self, activation) for role, activation in roles.items()}
 
     @contextmanager
     def pass_hooks(self, cache: Any, fwd_hooks: FwdHooks) -> Iterator[None]:

@@ -107,9 +107,13 @@ class HFKeyValueCache(CachePasses):
     # -- branching (never mutates this cache) ------------------------------------------
 
     def _derived(self, op: Callable[[Sequence], Sequence]) -> HFKeyValueCache:
+        return self._derived_each([op] * len(self.layers))
+
+    def _derived_each(self, ops: list[Callable[[Sequence], Sequence]]) -> HFKeyValueCache:
+        """A new cache whose layer `l` is `ops[l]` of this one's."""
         result = HFKeyValueCache(naming=self.naming)
         result._windows = self._windows
-        result.layers.extend(layer.derived(op) for layer in self.layers)
+        result.layers.extend(layer.derived(op) for layer, op in zip(self.layers, ops, strict=True))
         return result
 
     def fork(self) -> HFKeyValueCache:
@@ -199,6 +203,20 @@ class HFKeyValueCache(CachePasses):
         """
         index = self._rows(rows)
         return self._derived(lambda seq: seq.select(index))
+
+    def _repeated(self, runs: list[int], batch: int) -> HFKeyValueCache:
+        """Layer `l`'s `batch` rows repeated `runs[l]` times (run-major), unfrozen.
+
+        For a pass whose batch grows from layer to layer (a patching sweep's staggered
+        pass, [`joining`][safelens.backends.hf._skip.joining]); a batch-1 cache is
+        broadcast without copying.
+        """
+
+        def repeat(count: int) -> Callable[[Sequence], Sequence]:
+            index = torch.arange(batch).repeat(count)
+            return lambda seq: seq.expand(count) if batch == 1 else seq.select(index)
+
+        return self._derived_each([repeat(count) for count in runs])
 
     def clone(self) -> HFKeyValueCache:
         """An independent deep copy (same frozen flag), sharing no storage."""

@@ -15,6 +15,12 @@ How: the skipped layers' `forward` is replaced on the calling thread only
 ([`overriding`][safelens.backends.hf._override.overriding]), so other threads' passes
 through the model run every layer.
 
+Within [`joining`][safelens.backends.hf._skip.joining], on the calling thread, a pass's
+batch grows from layer to layer: each layer runs the rows that entered at it or before,
+and rows that enter at a later layer join there (a *staggered* pass). The model's forward
+builds its batch-wide arguments (masks, rotary tables, position ids) for every row; each
+layer gets the rows it runs of them.
+
 Caveat: the caller vouches for `residual` (the patching sweeps take it from the
 unpatched run of the same tokens, before any pre-hook of the user's, and check once per
 sweep that a skipped pass gives that run's logits); hooks on a skipped layer still
@@ -32,7 +38,7 @@ import torch
 
 from ._override import Replacement, overriding
 
-__all__ = ["output_form", "skipped_layers", "skipping"]
+__all__ = ["joining", "output_form", "skipped_layers", "skipping"]
 
 
 class _Plan(threading.local):
@@ -117,3 +123,74 @@ def skipping(
                 _PLAN.skipped = frozenset()
     finally:
         handle.remove()
+
+
+def _first_rows(value: Any, total: int, rows: int) -> Any:
+    """`value`'s first `rows` batch rows where it is a tensor (or tuple of them) of `total` rows.
+
+    Only tensors of two or more axes are batch-wide (a 1-D `cache_position` is not).
+    """
+    if isinstance(value, torch.Tensor):
+        return value[:rows] if value.dim() >= 2 and value.shape[0] == total else value
+    if isinstance(value, tuple):
+        return tuple(_first_rows(item, total, rows) for item in value)
+    return value
+
+
+@contextmanager
+def joining(
+    layers: torch.nn.ModuleList | Sequence[torch.nn.Module],
+    first: int,
+    rows: Sequence[int],
+    joins: dict[int, torch.Tensor],
+) -> Iterator[None]:
+    """Within the block, this thread's pass of `rows[-1]` rows runs `rows[l]` of them at layer `l`.
+
+    **Arguments:**
+
+    - `layers`: the model's decoder layers, in the order its forward runs them.
+    - `first`: the first layer the pass runs (the layers before it are skipped,
+      [`skipping`][safelens.backends.hf._skip.skipping], or none is: `0`).
+    - `rows`: per layer, how many rows it runs (non-decreasing from `first`; the last
+      layer runs every row of the pass).
+    - `joins`: the hidden states of the rows entering at layer `l > first`, appended to
+      the rows the layer before returns.
+
+    Layer `first` gets the first `rows[first]` rows of its input; every layer from
+    `first` gets the first `rows[l]` rows of each batch-wide argument (a tensor of two
+    or more axes with a row per row of the pass), which fits a pass whose rows repeat
+    the same prompts run after run.
+    """
+    total = rows[-1]
+    me = threading.get_ident()
+
+    def enter(index: int) -> Any:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
+            if threading.get_ident() != me or kwargs is None:  # half-registered
+                return None
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if index in joins and index > first:
+                hidden = torch.cat([hidden, joins[index]])
+            elif hidden.shape[0] > rows[index]:
+                hidden = hidden[: rows[index]]
+            rest = tuple(_first_rows(arg, total, rows[index]) for arg in args[1:])
+            named = {key: _first_rows(value, total, rows[index]) for key, value in kwargs.items()}
+            if args:
+                return (hidden, *rest), named
+            return rest, {**named, "hidden_states": hidden}
+
+        return hook
+
+    handles = []
+    try:
+        for index in range(first, len(layers)):
+            if rows[index] < total or index in joins:
+                hook = enter(index)
+                handle = layers[index].register_forward_pre_hook(
+                    hook, with_kwargs=True, prepend=True
+                )
+                handles.append(handle)
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
