@@ -47,6 +47,7 @@ if TYPE_CHECKING:
         get_act_patch_attn_head_by_pos_every,
         get_act_patch_block_every,
     )
+    from .patching._generic import generic_activation_patch
     from .patching._hf_sites import run_with_patching_cache
     from .patching._patterns import (
         get_act_patch_attn_head_pattern_all_pos,
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
         get_act_patch_attn_head_pattern_dest_src_pos,
     )
     from .patching._sweeps import (
-        generic_activation_patch,
         get_act_patch_attn_head_k_all_pos,
         get_act_patch_attn_head_k_by_pos,
         get_act_patch_attn_head_out_all_pos,
@@ -93,8 +93,8 @@ _LAZY_MODULES = {
         "get_act_patch_attn_head_pattern_by_pos",
         "get_act_patch_attn_head_pattern_dest_src_pos",
     ),
+    ".patching._generic": ("generic_activation_patch",),
     ".patching._sweeps": (
-        "generic_activation_patch",
         "get_act_patch_attn_head_k_all_pos",
         "get_act_patch_attn_head_k_by_pos",
         "get_act_patch_attn_head_out_all_pos",

@@ -36,7 +36,8 @@ from safelens import (
 from safelens.distributed._fingerprint import describe, model_identity
 from safelens.distributed._model_source import ModelSource, model_source
 from safelens.distributed._shard_folder import ShardFolder
-from safelens.patching._dataset import dataset_backend, pair_bytes
+from safelens.patching._dataset import dataset_backend
+from safelens.patching._dataset_chunks import pair_bytes
 
 ray = pytest.importorskip("ray")
 

@@ -19,7 +19,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 from transformers.models.gemma2 import modeling_gemma2
 
-import safelens.backends.hf._shared_attention as shared_module
+import safelens.backends.hf._shared_read as read_module
 from safelens import CacheConfigError, prefill, score_continuations
 from safelens.backends.hf._cache import HFKeyValueCache
 from safelens.backends.hf._shared_attention import shared_prefix
@@ -31,13 +31,13 @@ PREFIX, ROWS, NEW = 9, 3, 4  # past the window of 4 of Mistral and Gemma-2
 def shared_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The ids of the threads that ran the shared read, one entry per attention call."""
     calls: list[int] = []
-    original = shared_module._shared_read
+    original = read_module._shared_read
 
     def counted(*args, **kwargs):
         calls.append(threading.get_ident())
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(shared_module, "_shared_read", counted)
+    monkeypatch.setattr(read_module, "_shared_read", counted)
     return calls
 
 
@@ -248,7 +248,7 @@ def test_config_and_registries_are_restored_on_exit_and_on_error():
     with pytest.raises(KeyboardInterrupt), shared_prefix(lm):
         raise KeyboardInterrupt
     assert lm.config._attn_implementation == "sdpa" and registries() == before
-    assert shared_module._THREAD.inside == {} and shared_module._THREAD.read is None
+    assert read_module.THREAD.inside == {} and read_module.THREAD.read is None
 
 
 def test_refuses_a_model_that_is_not_a_huggingface_model():

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ANY_BACKEND = (
     ".backends.hf.",
     ".patching._sweeps",
+    ".patching._generic",
     ".patching._hf_sites",
     ".patching._every",
     ".patching._patterns",

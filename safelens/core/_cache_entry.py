@@ -22,6 +22,7 @@ import torch
 from jaxtyping import Float
 
 from ._arguments import is_int
+from ._entry_fit import POS, check_pair, fitted
 from ._errors import CacheShapeError, FrozenCacheError
 from ._frozen import FrozenFlag
 from ._hook_point import CacheHookPoint
@@ -29,9 +30,6 @@ from ._storage import Sequence
 from ._values import check_numbers, concat_values, shape_of
 
 __all__ = ["KeyValueCacheEntry"]
-
-_LAYOUT = ("batch", "pos", "n_heads", "d_head")
-_POS = 1
 
 
 def _hold(value: Any) -> Any:
@@ -48,35 +46,6 @@ def _one_of(name: str, value: Any, alias: str, alias_value: Any) -> Any:
     if value is not None and alias_value is not None:
         raise TypeError(f"pass {name}= or {alias}=, not both")
     return value if value is not None else alias_value
-
-
-def _check_pair(keys: Any, values: Any, where: str) -> None:
-    """Refuse keys and values that cannot be one layer's cache (see the constructor)."""
-    if (keys is None) != (values is None):
-        missing = "values" if values is None else "keys"
-        raise CacheShapeError(
-            f"{where}: {missing} is None but the other is not; pass both keys and values "
-            "(or neither, for an entry that starts empty)"
-        )
-    try:
-        check_numbers(keys, "keys")
-        check_numbers(values, "values")
-    except CacheShapeError as error:
-        raise CacheShapeError(f"{where}: {error}") from None
-    key_shape, value_shape = shape_of(keys), shape_of(values)
-    if key_shape is None or value_shape is None:
-        return
-    if isinstance(keys, torch.Tensor) != isinstance(values, torch.Tensor):
-        raise CacheShapeError(
-            f"{where}: keys are {type(keys).__name__} but values are "
-            f"{type(values).__name__}; pass both as tensors (or both as the same kind)"
-        )
-    if len(key_shape) != len(value_shape) or key_shape[: _POS + 2] != value_shape[: _POS + 2]:
-        raise CacheShapeError(
-            f"{where}: keys of shape {key_shape} and values of shape {value_shape} do not "
-            "fit one cache; they need the same rank and the same batch, pos and n_heads "
-            "sizes ([batch, pos_so_far, n_kv_heads, d_head])"
-        )
 
 
 def hook_name(layer: int | None, point: str) -> str:
@@ -121,7 +90,7 @@ class KeyValueCacheEntry:
     ) -> None:
         keys = _one_of("keys", keys, "past_keys", past_keys)
         values = _one_of("values", values, "past_values", past_values)
-        _check_pair(keys, values, "entry" if layer is None else f"layer {layer}")
+        check_pair(keys, values, "entry" if layer is None else f"layer {layer}")
         self._keys = _hold(keys)
         self._values = _hold(values)
         self._frozen = bool(frozen)
@@ -203,7 +172,7 @@ class KeyValueCacheEntry:
         if isinstance(self._keys, Sequence):
             return self._keys.length
         shape = shape_of(self._keys)
-        return shape[_POS] if shape is not None and len(shape) > _POS else 0
+        return shape[POS] if shape is not None and len(shape) > POS else 0
 
     @property
     def frozen(self) -> FrozenFlag:
@@ -235,58 +204,6 @@ class KeyValueCacheEntry:
             raise CacheShapeError(f"{self._where()}: {error}") from None
         return value
 
-    def _fit(self, name: str, new: Any, held: Sequence) -> torch.Tensor:
-        """`new` as a tensor like `held`'s, or a `CacheShapeError` saying why not."""
-        like = held.template
-        if isinstance(new, torch.Tensor):
-            if like.is_floating_point() and not new.is_floating_point():
-                raise CacheShapeError(
-                    f"{self._where()}: {name} have dtype {new.dtype}; expected a floating "
-                    f"dtype (the cache holds {like.dtype})"
-                )
-            try:
-                new = new.to(device=like.device, dtype=like.dtype)
-            except RuntimeError as error:
-                raise CacheShapeError(
-                    f"{self._where()}: {name} on {new.device} cannot be moved to the "
-                    f"cache's device {like.device}: {error}"
-                ) from None
-        else:
-            try:
-                new = torch.as_tensor(new, dtype=like.dtype, device=like.device)
-            except (TypeError, ValueError, RuntimeError) as error:
-                raise CacheShapeError(
-                    f"{self._where()}: {name} of type {type(new).__name__} cannot be "
-                    f"converted to a {like.dtype} tensor: {error}"
-                ) from None
-        expected = list(like.shape)
-        got = list(new.shape)
-        if len(got) == len(expected) and all(
-            i == _POS or a == b for i, (a, b) in enumerate(zip(got, expected, strict=True))
-        ):
-            return new
-        names = _LAYOUT if len(expected) == len(_LAYOUT) else None
-        wanted = ", ".join(
-            f"{names[i] if names else f'axis{i}'}={'any' if i == _POS else size}"
-            for i, size in enumerate(expected)
-        )
-        message = (
-            f"{self._where()}: {name} of shape {tuple(got)} do not fit the cache; "
-            f"expected [{wanted}]"
-        )
-        if (
-            names
-            and len(got) == 4
-            and got[0] == expected[0]
-            and got[1] == expected[2]
-            and got[3] == expected[3]
-        ):
-            message += (
-                ". This looks like head-major [batch, heads, pos, d_head] layout; "
-                f"pass {name}.transpose(1, 2)"
-            )
-        raise CacheShapeError(message)
-
     def append(
         self,
         keys: Float[torch.Tensor, "batch new_tokens n_heads d_head"] | Any,
@@ -315,10 +232,10 @@ class KeyValueCacheEntry:
         if not (isinstance(self._keys, Sequence) and isinstance(self._values, Sequence)):
             return self._append_plain(keys, values, dim)
         rank = self._keys.template.dim()
-        if not is_int(dim) or dim not in (_POS, _POS - rank):
+        if not is_int(dim) or dim not in (POS, POS - rank):
             raise CacheShapeError(
                 f"{self._where()}: dim={dim!r}, but a tensor cache grows along pos only "
-                f"(dim=1 or dim={_POS - rank} of [batch, pos, n_kv_heads, d_head]); "
+                f"(dim=1 or dim={POS - rank} of [batch, pos, n_kv_heads, d_head]); "
                 "appending along batch or heads would silently change what the cache is"
             )
         if self._keys.length != self._values.length:
@@ -345,8 +262,8 @@ class KeyValueCacheEntry:
     def _new(self, keys: Any, values: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """New keys and values fitted to the cache, through `hook_k_new`/`hook_v_new`."""
         assert isinstance(self._keys, Sequence) and isinstance(self._values, Sequence)
-        new_keys = self._fit("keys", keys, self._keys)
-        new_values = self._fit("values", values, self._values)
+        new_keys = fitted(self._where(), "keys", keys, self._keys)
+        new_values = fitted(self._where(), "values", values, self._values)
         if self.hook_k_new.fwd_hooks:
             new_keys = self.hook_k_new(new_keys)
         if self.hook_v_new.fwd_hooks:
@@ -389,8 +306,8 @@ class KeyValueCacheEntry:
                 "hooks on hook_k_full/hook_v_full (they see the joined tensors); use append"
             )
         new_keys, new_values = self._new(keys, values)
-        stored_keys = tuple(p for p in self._keys.pieces() if p.shape[_POS])
-        stored_values = tuple(p for p in self._values.pieces() if p.shape[_POS])
+        stored_keys = tuple(p for p in self._keys.pieces() if p.shape[POS])
+        stored_values = tuple(p for p in self._values.pieces() if p.shape[POS])
         return stored_keys + (new_keys,), stored_values + (new_values,)
 
     def _read_hooks(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[Any, Any]:

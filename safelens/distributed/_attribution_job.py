@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..backends._backend import backend_of
-from ..patching._attribution import check_activations, plan
 from ..patching._attribution_dataset import (
     AttributionDatasetResult,
     attribution_chunk,
     attribution_summary,
     pairs_per_attribution_chunk,
 )
-from ..patching._dataset import PairMetric
+from ..patching._attribution_plan import check_activations, plan
+from ..patching._dataset_chunks import PairMetric
 from ._job import ShardedJob
 from ._pairs import checked_pairs, pairs_fingerprint
 

@@ -14,13 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..patching._dataset import (
-    PatchingResult,
-    dataset_backend,
-    pairs_per_chunk,
-    patched_chunk,
-    summary,
-)
+from ..patching._dataset import PatchingResult, dataset_backend, summary
+from ..patching._dataset_chunks import pairs_per_chunk, patched_chunk
 from ._job import ShardedJob
 from ._pairs import checked_pairs, pairs_fingerprint
 

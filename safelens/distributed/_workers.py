@@ -34,9 +34,10 @@ from ..core._arguments import is_int, positive_int
 from ..core._errors import WorkerError
 from ..experiments._continuations import ContinuationScores
 from ..experiments._generation import Generation
-from ..patching._attribution import _HEAD_SITES, Activation
 from ..patching._attribution_dataset import AttributionDatasetResult
-from ..patching._dataset import PairMetric, PatchingResult
+from ..patching._attribution_plan import HEAD_SITES, Activation
+from ..patching._dataset import PatchingResult
+from ..patching._dataset_chunks import PairMetric
 from ..patching._limits import DEFAULT_MAX_BYTES
 from ._attribution_job import attribution_job, attribution_result
 from ._job import ShardedJob, run_job
@@ -262,7 +263,7 @@ class RayWorkers:
         corrupted_tokens: Any,
         metric: PairMetric,
         *,
-        activations: Sequence[Activation] = _HEAD_SITES,
+        activations: Sequence[Activation] = HEAD_SITES,
         qk_fix: bool = True,
         n_bootstrap: int = 1000,
         confidence: float = 0.95,

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
         get_act_patch_attn_head_by_pos_every,
         get_act_patch_block_every,
     )
+    from ._generic import generic_activation_patch
     from ._hf_sites import run_with_patching_cache
     from ._patterns import (
         get_act_patch_attn_head_pattern_all_pos,
@@ -56,7 +57,6 @@ if TYPE_CHECKING:
         make_df_from_ranges,
     )
     from ._sweeps import (
-        generic_activation_patch,
         get_act_patch_attn_head_k_all_pos,
         get_act_patch_attn_head_k_by_pos,
         get_act_patch_attn_head_out_all_pos,
@@ -72,8 +72,8 @@ if TYPE_CHECKING:
     )
 
 _LAZY_MODULES = {
+    "._generic": ("generic_activation_patch",),
     "._sweeps": (
-        "generic_activation_patch",
         "get_act_patch_resid_pre",
         "get_act_patch_resid_mid",
         "get_act_patch_attn_out",

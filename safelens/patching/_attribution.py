@@ -11,8 +11,9 @@ patterns and the node sites (`resid_pre`, `resid_mid`, `attn_out`, `mlp_out`) us
 first-order estimate; keys and queries, by default, AtP*'s QK fix: their patched
 attention softmax is recomputed exactly and only what follows the pattern is linearised
 (`safelens.patching._qk_fix`). The grids have the exact sweeps' shapes and hold
-estimates of the same numbers: the metric of the patched run, not its change. Where each
-site is read on each model family: `safelens.patching._attribution_pass`.
+estimates of the same numbers: the metric of the patched run, not its change. What one
+attribution reads: `safelens.patching._attribution_plan`; where each site is read on
+each model family: `safelens.patching._attribution_pass`.
 
 When to trust it: exactly right where the metric is linear in the patched activation
 from the patch on (a value or head output of the last attention layer of an
@@ -34,46 +35,31 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
 from jaxtyping import Float, Int
 
-from ..backends._backend import Backend, backend_of
+from ..backends._backend import backend_of
 from ..backends._supported import SupportedModel
-from ..core._arguments import flag, positive_int
+from ..core._arguments import positive_int
 from ..core._errors import PatchingError
 from ..core._repr import summary_repr
-from ._attribution_pass import Read, Reads, corrupted_pass
+from ._attribution_pass import Reads, corrupted_pass
+from ._attribution_plan import FIXED, HEAD_SITES, Activation, Plan, plan
 from ._clean_cache import CLEAN_CACHE_OF, axes_of, backend_sizes, check_clean_cache, shape_error
+from ._generic import generic_activation_patch
 from ._hf_sites import Site, _tokens, clean_activation
-from ._hf_sweeps import Run, _check_no_dropout, run_sweep
+from ._hf_sweeps import Run, run_sweep
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
 from ._metric import Metric, check_metric
-from ._patterns import _check_pattern_hook
 from ._qk_fix import key_effects, query_effects, scores_function
-from ._sweeps import generic_activation_patch
 
 if TYPE_CHECKING:
     from transformer_lens import ActivationCache
 
 __all__ = ["AttributionResult", "attribution_patch"]
-
-Activation = Literal["k", "v", "q", "z", "pattern", "resid_pre", "resid_mid", "attn_out", "mlp_out"]
-ACTIVATIONS: tuple[Activation, ...] = (
-    "k",
-    "v",
-    "q",
-    "z",
-    "pattern",
-    "resid_pre",
-    "resid_mid",
-    "attn_out",
-    "mlp_out",
-)
-_HEAD_SITES: tuple[Activation, ...] = ("k", "v", "q", "z")
-_FIXED = frozenset({"k", "q"})  # what the QK fix recomputes
 
 
 @dataclass(frozen=True, repr=False)
@@ -96,95 +82,6 @@ class AttributionResult:
     baseline: torch.Tensor
     estimates: dict[str, torch.Tensor]
     exact: dict[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What one attribution reads: the site of each activation, the QK fix's sites."""
-
-    backend: Backend
-    activations: tuple[Activation, ...]
-    sites: dict[str, Site]
-    qk: dict[str, Site] | None
-
-    def clean_names(self) -> list[str]:
-        """The clean cache's names the estimates read."""
-        sites = [*self.sites.values(), *((self.qk["qk_q"], self.qk["qk_k"]) if self.qk else ())]
-        layers = range(self.backend.n_layers)
-        return sorted({site.clean(layer) for site in sites for layer in layers})
-
-    def reads(self) -> list[Read]:
-        """Every tensor the corrupted pass keeps, gradients for the sites and the pattern."""
-        layers = range(self.backend.n_layers)
-        reads = {
-            (name, layer): Read((name, layer), site.hook(layer), True, site.activation)
-            for name, site in self.sites.items()
-            for layer in layers
-        }
-        for role, site in (self.qk or {}).items():
-            for layer in layers:
-                grad = role == "pattern" or (role, layer) in reads
-                reads[(role, layer)] = Read((role, layer), site.hook(layer), grad, site.activation)
-        return list(reads.values())
-
-
-def check_activations(activations: Any) -> tuple[Activation, ...]:
-    """`activations` as a tuple of known names, or a `PatchingError` listing them."""
-    if isinstance(activations, str) or not isinstance(activations, Sequence):
-        raise PatchingError(
-            f"activations must be a sequence of {list(ACTIVATIONS)}, got {activations!r}"
-        )
-    unknown = [name for name in activations if name not in ACTIVATIONS]
-    if unknown or not activations:
-        raise PatchingError(
-            f"activations must be a non-empty sequence of {list(ACTIVATIONS)}, got "
-            f"{list(activations)!r}"
-        )
-    return tuple(dict.fromkeys(activations))
-
-
-def plan(
-    model: Any,
-    activations: Any,
-    qk_fix: Any,
-    clean_cache: Any,
-    tokens: torch.Tensor,
-    what: str = "attribution_patch",
-) -> Plan:
-    """Check the model and the choice of grids; where each is read (or why it cannot be)."""
-    backend = backend_of(model, what)
-    flag(qk_fix, "qk_fix", error=PatchingError, shown=repr)
-    chosen = check_activations(activations)
-    fixed = qk_fix and bool(_FIXED & set(chosen))
-    if backend.family == "hooked":
-        _check_hooked_attention(model.cfg, fixed)
-    sites: dict[str, Site] = {name: backend.read_site(name) for name in chosen}
-    qk = backend.qk_sites() if fixed else None
-    _check_no_dropout(backend.model)
-    if fixed or "pattern" in chosen:
-        # The fix and pattern gradients read `hook_pattern`: attention must use its output.
-        _check_pattern_hook(model, tokens, f"{what}'s {'QK fix' if fixed else 'pattern grid'}")
-    return Plan(backend, chosen, sites, qk)
-
-
-def _check_hooked_attention(cfg: Any, qk_fix: bool) -> None:
-    """Refuse the QK fix on a HookedTransformer whose attention transforms q and k further."""
-    special = [
-        name
-        for name, on in (
-            ("use_attention_sinks", cfg.use_attention_sinks),
-            ("use_logn_attn", cfg.use_logn_attn),
-            ("use_qk_norm", cfg.use_qk_norm and cfg.positional_embedding_type != "rotary"),
-            ("clip_qkv", cfg.clip_qkv is not None and cfg.positional_embedding_type != "rotary"),
-        )
-        if on
-    ]
-    if qk_fix and special:
-        raise PatchingError(
-            f"the QK fix recomputes attention from the keys and queries, which this model "
-            f"transforms further ({', '.join('cfg.' + s for s in special)}); pass "
-            "qk_fix=False for plain gradient estimates of k and q"
-        )
 
 
 def _clean(
@@ -232,7 +129,7 @@ def _layer_effects(
 ) -> Float[torch.Tensor, "batch ..."]:
     """The estimated change of the metric per row of the batch, for each patch of one layer."""
     key = (name, layer)
-    if plan.qk is None or name not in _FIXED:
+    if plan.qk is None or name not in FIXED:
         site = plan.sites[name]
         corrupted = reads.acts[key]
         delta = _clean(plan, clean_cache, site, layer, corrupted) - corrupted
@@ -277,7 +174,7 @@ def attribution_patch(
     clean_cache: ActivationCache | dict[str, torch.Tensor],
     patching_metric: Metric,
     *,
-    activations: Sequence[Activation] = _HEAD_SITES,
+    activations: Sequence[Activation] = HEAD_SITES,
     qk_fix: bool = True,
     verify_top_k: int = 0,
     max_batch: int | None = None,
@@ -395,7 +292,7 @@ def verify(
     progress: bool,
 ) -> Float[torch.Tensor, " cells"]:
     """The exact sweep's value of each cell (grid index) of `name`'s grid, many per pass."""
-    kind = "head" if name in _HEAD_SITES else "pattern" if name == "pattern" else "node"
+    kind = "head" if name in HEAD_SITES else "pattern" if name == "pattern" else "node"
     backend = plan.backend
     if backend.family == "hooked":
         import transformer_lens.patching as tl_patching

@@ -27,18 +27,11 @@ from tqdm import tqdm
 
 from ..backends._backend import Backend, backend_of
 from ..experiments._prefix import token_limits
-from ._attribution import _HEAD_SITES, Activation, Plan, effects, plan
+from ._attribution import effects
 from ._attribution_pass import corrupted_pass
-from ._dataset import (
-    PairMetric,
-    PatchingResult,
-    check_options,
-    clean_cache_of,
-    lone_pair_doubled,
-    pair_bytes,
-    pair_tokens,
-    summary,
-)
+from ._attribution_plan import HEAD_SITES, Activation, Plan, plan
+from ._dataset import PatchingResult, check_options, pair_tokens, summary
+from ._dataset_chunks import PairMetric, clean_cache_of, lone_pair_doubled, pair_bytes
 from ._limits import DEFAULT_MAX_BYTES
 
 __all__ = ["AttributionDatasetResult", "attribution_patch_dataset"]
@@ -70,7 +63,7 @@ def attribution_patch_dataset(
     corrupted_tokens: Int[torch.Tensor, "pairs pos"],
     metric: PairMetric,
     *,
-    activations: Sequence[Activation] = _HEAD_SITES,
+    activations: Sequence[Activation] = HEAD_SITES,
     qk_fix: bool = True,
     n_bootstrap: int = 1000,
     confidence: float = 0.95,

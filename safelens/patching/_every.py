@@ -25,7 +25,7 @@ queries, keys and patterns as the attention function sees them). What differs on
 bridge or HuggingFace model: the k and q rows patch keys and queries after the rotary
 embedding (at every position the same
 patch as TransformerLens' `attn.hook_k`), the pattern row is refused on a bridge whose
-attention does not use `hook_pattern` (see `safelens.patching._patterns`), and the
+attention does not use `hook_pattern` (see `safelens.patching._pattern_hook`), and the
 clean cache is `bridge.run_with_cache`'s; on a HuggingFace model it is
 [`run_with_patching_cache`][safelens.run_with_patching_cache]'s. Whatever the model,
 the clean cache is checked for every activation the bundle patches before its first
@@ -47,8 +47,8 @@ from ..core._errors import PatchingError
 from ._clean_cache import CLEAN_CACHE_OF, backend_sizes, check_clean_cache, hooked_sizes
 from ._hf_sites import TL_NAMES, _tokens, clean_activation
 from ._hf_sweeps import is_seam_model
+from ._pattern_hook import check_pattern_hook
 from ._patterns import (
-    _check_pattern_hook,
     get_act_patch_attn_head_pattern_all_pos,
     get_act_patch_attn_head_pattern_by_pos,
 )
@@ -92,7 +92,7 @@ def _check_seam_model(
     # the checks that need no forward pass.
     for activation in sorted(activations, key=lambda activation: activation == "pattern"):
         if activation == "pattern":
-            _check_pattern_hook(model, tokens, bundle)
+            check_pattern_hook(model, tokens, bundle)
         try:
             site = backend.patch_site(activation, clean_cache)
             for layer in range(backend.n_layers):

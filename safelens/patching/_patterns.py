@@ -23,26 +23,24 @@ patch takes effect only where the bridge's attention computes its output from wh
 `hook_pattern` returns, as TransformerLens' Llama-style (rotary, grouped-query) and
 GPT-2 attention do; a bridge that runs HuggingFace's own attention (TransformerLens'
 OPT adapter, for one) fires the hook after the output is computed, or not at all, and
-is refused: before each sweep, one pass of `n_layers + 1` copies of the first corrupted
-prompt zeroes each layer's pattern in one copy, and every layer must change the logits
-or its own head outputs (`hook_z`).
+is refused, by a check of one pass before each sweep (`safelens.patching._pattern_hook`).
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
 from jaxtyping import Float, Int
 
-from ..backends._backend import backend_of
 from ..backends._supported import SupportedModel
-from ..core._errors import PatchingError
-from ._hf_sites import _tokens
+from ._generic import generic_activation_patch
 from ._hf_sweeps import is_seam_model, seam_patch
+from ._limits import DEFAULT_MAX_BYTES
+from ._metric import Metric
+from ._pattern_hook import check_pattern_hook
 from ._setters import (
     Setter,
     SweepKeywords,
@@ -50,7 +48,6 @@ from ._setters import (
     layer_head_pattern_patch_setter,
     layer_head_pos_pattern_patch_setter,
 )
-from ._sweeps import DEFAULT_MAX_BYTES, Metric, generic_activation_patch
 
 if TYPE_CHECKING:
     from transformer_lens.patching import AxisNames
@@ -60,73 +57,6 @@ __all__ = [
     "get_act_patch_attn_head_pattern_dest_src_pos",
     "get_act_patch_attn_head_pattern_all_pos",
 ]
-
-
-def _check_pattern_hook(model: Any, corrupted_tokens: Any, what: str) -> None:
-    """On a bridge, a `PatchingError` naming the first layer whose attention ignores `hook_pattern`.
-
-    One pass of `n_layers + 1` copies of the first corrupted prompt: in copy `l + 1`,
-    layer `l`'s `hook_pattern` returns zeros; where its logits stay copy 0's (within a
-    few float steps), that layer's attention does not use what the hook returns, or
-    never fires it (a bridge that runs HuggingFace's own attention).
-    """
-    backend = backend_of(model, what)
-    if backend.family != "bridge":
-        return
-    tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")[:1]
-    n_layers = backend.n_layers
-
-    def zeroed(layer: int) -> Callable[..., torch.Tensor]:
-        def hook(pattern: torch.Tensor, hook: Any = None) -> torch.Tensor:
-            pattern = pattern.clone()
-            pattern[layer + 1] = 0
-            return pattern
-
-        return hook
-
-    names = [f"blocks.{layer}.attn.hook_pattern" for layer in range(n_layers)]
-    heads: dict[int, torch.Tensor] = {}
-
-    def kept(layer: int) -> Callable[..., None]:
-        def hook(z: torch.Tensor, hook: Any = None) -> None:
-            heads[layer] = z.detach().clone()
-
-        return hook
-
-    outputs = [(f"blocks.{layer}.attn.hook_z", kept(layer)) for layer in range(n_layers)]
-    outputs = [(name, fn) for name, fn in outputs if name in model.hook_dict]
-    copies = tokens.repeat(n_layers + 1, 1)
-    cache = backend.empty_cache(n_layers + 1)  # holds no hook here; the pass runs without it
-    hooks = [(name, zeroed(layer)) for layer, name in enumerate(names)] + outputs
-    with torch.no_grad(), warnings.catch_warnings():
-        # TransformerLens 4 warns of what this pass tests, where it holds
-        warnings.filterwarnings("ignore", "A hook on .*hook_pattern returned a modified tensor")
-        # This thread's pass alone: another thread's passes through the bridge meanwhile
-        # see none of these hooks.
-        with backend.pass_hooks(cache, hooks):  # type: ignore[arg-type]
-            logits = model(copies)  # as `bridge(tokens)`: every position attended
-
-    def moved(tensor: torch.Tensor | None, layer: int) -> bool:
-        """Whether copy `layer + 1` of `tensor` differs from copy 0 (a few float steps)."""
-        if tensor is None:
-            return False
-        bound = 8 * torch.finfo(tensor.dtype).eps * (1 + float(tensor[0].abs().max()))
-        return float((tensor[layer + 1] - tensor[0]).abs().max()) > bound
-
-    for layer, name in enumerate(names):
-        # The layer's head outputs show the hook is used where its output projection (or
-        # a hook of the user's) makes the logits blind to them.
-        if not (moved(logits, layer) or moved(heads.get(layer), layer)):
-            attention = type(model.blocks[layer].attn).__name__
-            raise PatchingError(
-                f"{what} patches {name}, which this bridge's attention ({attention}) does "
-                "not use: zeroing the hook's tensor left the logits as they were (the "
-                "bridge runs HuggingFace's own attention and fires the hook, if at all, "
-                "after it), so every pattern patch would give the corrupted run's metric. "
-                "Pattern sweeps need a bridge whose attention computes the pattern through "
-                "the hook, as TransformerLens' Llama-style and GPT-2 attention do; sweep "
-                "z, q, k or v here instead"
-            )
 
 
 def _pattern_sweep(
@@ -163,7 +93,7 @@ def _pattern_sweep(
     by_pos = "dest_pos" in keywords.index_axis_names
     by_src = "src_pos" in keywords.index_axis_names
     if is_seam_model(model):
-        _check_pattern_hook(model, corrupted_tokens, sweep)
+        check_pattern_hook(model, corrupted_tokens, sweep)
         swept = seam_patch(
             "pattern",
             by_pos,

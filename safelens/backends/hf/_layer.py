@@ -38,7 +38,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicSlidi
 from ...core._errors import CacheShapeError
 from ...core._hook_point import CacheHookPoint
 from ...core._storage import Sequence
-from ._shared_attention import note_read
+from ._shared_read import note_read
 
 __all__ = [
     "HFCacheLayer",

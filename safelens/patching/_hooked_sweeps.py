@@ -1,0 +1,186 @@
+"""The sweeps on a `HookedTransformer`: patchers that write clean activations into stacked runs.
+
+The named sweeps (`safelens.patching._sweeps`) and `generic_activation_patch`
+(`safelens.patching._generic`) run here on a `HookedTransformer` (a TransformerBridge or
+a HuggingFace model goes to `safelens.patching._hf_sweeps` and
+`safelens.patching._hf_generic`). A sweep is a list
+of runs, one per index of its grid; the runs that would write what the corrupted run
+already holds are set apart (`safelens.patching._unchanged`) and run no pass; the others
+are stacked along the batch and run from the corrupted run's frozen key/value cache by
+`safelens.patching._grid`, each run's patcher writing the clean activation at its index
+into its rows: at one position (`by_pos`), at every position from the run's first, or
+through a user's `patch_setter` on the run's full-length activation.
+
+Caveat: what runs here imports `HookedTransformer` code (`safelens.patching._inputs`,
+`_grid`) only when called, so that the sweeps import on TransformerLens 4, which removed
+it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, cast
+
+import pandas as pd
+import torch
+from jaxtyping import Int
+
+from ..backends._supported import SupportedModel
+from ._limits import DEFAULT_MAX_BYTES, _check_limits
+from ._metric import Metric
+from ._setters import Setter
+from ._unchanged import known_setter_axes, marked, unchanged
+
+if TYPE_CHECKING:
+    from transformer_lens import ActivationCache, HookedTransformer
+
+    from ._grid import Run
+    from ._inputs import _Sweep
+
+__all__ = ["hooked_generic", "hooked_patch"]
+
+
+def _row_index(
+    sweep: _Sweep, runs: list[Run], rows: list[int], device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """Batch rows, clean-batch rows and per-run index columns on `device` (the patched tensor's)."""
+    batch = torch.arange(sweep.batch, device=device)
+    starts = torch.tensor(rows, device=device)
+    row = (starts[:, None] + batch).reshape(-1)
+    columns = torch.tensor([run.index for run in runs], device=device)
+    return (row, batch.repeat(len(runs)), *columns.repeat_interleave(sweep.batch, dim=0).T)
+
+
+def _by_pos_patcher(sweep: _Sweep, with_head: bool) -> Callable[..., None]:
+    def patch(
+        tensor: torch.Tensor, runs: list[Run], rows: list[int], batch: int, start: int
+    ) -> None:
+        row, clean_row, layer, pos, *head = _row_index(sweep, runs, rows, tensor.device)
+        clean = sweep.clean[runs[0].layer]
+        if with_head:
+            tensor[row, pos - start, head[0]] = clean[clean_row, pos, head[0]]
+        else:
+            tensor[row, pos - start] = clean[clean_row, pos]
+
+    return patch
+
+
+def _all_pos_patcher(sweep: _Sweep) -> Callable[..., None]:
+    def patch(
+        tensor: torch.Tensor, runs: list[Run], rows: list[int], batch: int, start: int
+    ) -> None:
+        row, clean_row, layer, head = _row_index(sweep, runs, rows, tensor.device)
+        tensor[row, :, head] = sweep.clean[runs[0].layer][clean_row, start:, head]
+
+    return patch
+
+
+def _grid_runs(shape: tuple[int, ...], pos_axis: int | None) -> list[Run]:
+    from ._grid import Run
+    from ._index import grid
+
+    return [
+        Run(index[0], index[pos_axis] if pos_axis is not None else 0, slot, index)
+        for slot, index in enumerate(grid(shape))
+    ]
+
+
+def hooked_patch(
+    activation_name: str,
+    by_pos: bool,
+    with_head: bool,
+    model: HookedTransformer,
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    clean_cache: ActivationCache,
+    patching_metric: Metric,
+    *,
+    max_batch: int | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    progress: bool = True,
+) -> torch.Tensor:
+    from ._inputs import _Sweep
+
+    _check_limits(max_batch, max_bytes, progress)
+    sweep = _Sweep(model, corrupted_tokens, clean_cache, activation_name)
+    shape: tuple[int, ...] = (model.cfg.n_layers,)
+    if by_pos:
+        shape += (sweep.length,)
+    if with_head:
+        shape += (sweep.heads(),)
+    # The patcher writes clean[:, pos, head] (every position without pos, the whole
+    # position without head).
+    runs, idle = _idle(
+        sweep, _grid_runs(shape, 1 if by_pos else None), [1] * by_pos + [2] * with_head
+    )
+    patcher = _by_pos_patcher(sweep, with_head) if by_pos else _all_pos_patcher(sweep)
+    return sweep.run(
+        runs, shape, patcher, patching_metric, max_batch, max_bytes, progress, by_pos, idle
+    )
+
+
+def _idle(sweep: _Sweep, runs: list[Run], axes: list[int]) -> tuple[list[Run], list[Run]]:
+    """`runs` split into those that change something and those that do not (`_unchanged`).
+
+    A run's patch writes the clean activation at its index after the layer, on the
+    activation's `axes` (every entry of the others).
+    """
+    same = [
+        unchanged(sweep.clean[layer], sweep.corrupted.activations[sweep.hook_name(layer)], axes)
+        for layer in range(sweep.model.cfg.n_layers)
+    ]
+    flags = marked(same, [run.index for run in runs])
+    idle = [run for run, flag in zip(runs, flags, strict=True) if flag]
+    return [run for run, flag in zip(runs, flags, strict=True) if not flag], idle
+
+
+def hooked_generic(
+    model: SupportedModel,
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    clean_cache: ActivationCache,
+    patching_metric: Metric,
+    patch_setter: Setter,
+    activation_name: str,
+    index_axis_names: Sequence[str] | None,
+    index_df: pd.DataFrame | None,
+    max_batch: int | None,
+    max_bytes: int,
+    progress: bool,
+) -> tuple[torch.Tensor, pd.DataFrame]:
+    """`generic_activation_patch` on a `HookedTransformer`: result and index rows."""
+    from ._grid import Run
+    from ._index import check_index_choice
+    from ._inputs import _check_patched, _index_grid, _Sweep
+
+    _check_limits(max_batch, max_bytes, progress)
+    check_index_choice(index_axis_names, index_df)
+    hooked = cast("HookedTransformer", model)  # neither a bridge nor an HF model
+    sweep = _Sweep(hooked, corrupted_tokens, clean_cache, activation_name)
+    index_df, shape = _index_grid(sweep, index_axis_names, index_df)
+    columns = list(index_df.columns)
+    pos_column = columns.index("pos") if "pos" in columns else None
+    runs = []
+    for slot, row in enumerate(index_df.itertuples(index=False)):
+        index = tuple(int(i) for i in row)
+        pos = index[pos_column] % sweep.length if pos_column is not None else 0
+        runs.append(Run(index[0], pos, slot, index))
+
+    def patch(
+        tensor: torch.Tensor, runs: list[Run], rows: list[int], batch: int, start: int
+    ) -> None:
+        layer = runs[0].layer
+        before = sweep.corrupted.activations[sweep.hook_name(layer)]
+        for run, row in zip(runs, rows, strict=True):
+            own = tensor[row : row + batch]
+            full = torch.cat([before[:, :start], own], dim=1)
+            patched = patch_setter(full, list(run.index), sweep.clean[layer])
+            _check_patched(full if patched is None else patched, full, before, start, run)
+            own.copy_((full if patched is None else patched)[:, start:])
+
+    idle: list[Run] = []
+    writes = known_setter_axes(patch_setter)
+    if writes is not None and all(len(run.index) == len(writes) + 1 for run in runs):
+        runs, idle = _idle(sweep, runs, writes)
+    result = sweep.run(
+        runs, shape, patch, patching_metric, max_batch, max_bytes, progress, idle=idle
+    )
+    return result, index_df
