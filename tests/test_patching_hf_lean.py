@@ -1,11 +1,13 @@
 """The replacements inside a sweep's passes on HuggingFace models (`_hf_lean`).
 
-Shared rows (the first layer's attention maps one run's rows), the last query (the last
-layer's query and output projections map the last position alone) and the chunked MLP
-(a CPU pass maps an MLP's input a few rows at a time). Each test makes every replacement
-act (chunks of 4 positions, so that the tiny models' passes are chunked), records what
-acted, and compares the sweep with a loop of hooked forwards (`test_patching_hf`) and
-with the same sweep without shortcuts.
+Shared rows (the first layer's attention maps and MLP map one run's rows), the last
+query (the last layer's query and output projections map the last position alone) and
+the chunked MLP (a CPU pass maps an MLP's input a few rows at a time). Each test makes
+every replacement act (chunks of 4 positions, so that the tiny models' passes are
+chunked), records what acted, and compares the sweep with a loop of hooked forwards
+(`test_patching_hf`; head outputs: `test_patching_hf_sites`) and with the same sweep
+without shortcuts. GPT-2's linear maps are `Conv1D`s, its query projection joined to
+the keys' and values' (`c_attn`); Llama's are `nn.Linear`s.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 import torch
 import transformers
 from hf_models import SIZES, SPECIAL, model
-from test_patching_hf import ANSWER, TOL, WRONG, reference
+from test_patching_hf import ANSWER, TOL, WRONG, _layers, reference
 from test_patching_hf_shortcuts import (
     HF_SWEEPS,
     LAYERS,
@@ -27,12 +29,33 @@ from test_patching_hf_shortcuts import (
     pair,
     without_shortcuts,
 )
+from test_patching_hf_sites import vector_reference
 
 import safelens
 from safelens import run_with_patching_cache
 from safelens.backends.hf import _override
 from safelens.backends.hf._override import overriding
 from safelens.patching import _hf_lean
+from safelens.patching._hf_sites import _decoder_layers
+
+
+def _counting(counts: Counter, key, replacement):
+    """`replacement`, each call counted in `counts[key, "own" or "lean"]`: "own" when it
+    ran the module's own forward once on its whole input."""
+
+    def forward(own, *args, **kwargs):
+        called = []
+
+        def counted(*a, **k):
+            called.append(a[0].shape if a else None)
+            return own(*a, **k)
+
+        result = replacement(counted, *args, **kwargs)
+        full = args[0].shape if args else None
+        counts[key, "own" if called == [full] else "lean"] += 1
+        return result
+
+    return forward
 
 
 @pytest.fixture
@@ -42,19 +65,7 @@ def acted(monkeypatch):
     monkeypatch.setattr(_hf_lean, "_CHUNK_TOKENS", 4)
 
     def spying(kind, replacement):
-        def forward(own, *args, **kwargs):
-            called = []
-
-            def counted(*a, **k):
-                called.append(a[0].shape if a else None)
-                return own(*a, **k)
-
-            result = replacement(counted, *args, **kwargs)
-            full = args[0].shape if args else None
-            counts[kind, "own" if called == [full] else "lean"] += 1
-            return result
-
-        return forward
+        return _counting(counts, kind, replacement)
 
     shared = _hf_lean._shared_rows
     monkeypatch.setattr(_hf_lean, "_chunked", spying("chunked", _hf_lean._chunked))
@@ -94,14 +105,13 @@ def test_each_replacement_acts_and_the_sweeps_equal_a_loop_of_hooked_forwards(
         sweep = getattr(safelens, sweep_name)
         got = sweep(lm, corrupted, clean_cache, last_only(2), progress=False)
         assert acted["chunked", "lean"] > 0, (name, sweep_name)
-        # GPT-2 and Phi-3 join their query projection to the keys' and values'.
-        assert (acted["last", "lean"] > 0) == (name not in ("gpt2", "phi3")), (name, sweep_name)
-        if name != "gpt2":  # `Conv1D`, not `nn.Linear`: GPT-2's attention maps every row
-            # A patch of the layer's input makes its rows differ: then every row is mapped.
-            assert (acted["shared", "lean"] > 0) == (activation != "resid_pre"), sweep_name
-            # A key or value patch changes what the output projection maps, in each run.
-            differ = activation in ("k", "v", "resid_pre")
-            assert (acted["shared", "own"] > 0) == differ, sweep_name
+        # The output projection at least (GPT-2 and Phi-3 join their query projection to
+        # the keys' and values', which map every position).
+        assert acted["last", "lean"] > 0, (name, sweep_name)
+        # A patch of the layer's input makes its rows differ: then every row is mapped.
+        assert (acted["shared", "lean"] > 0) == (activation != "resid_pre"), sweep_name
+        # Any patch but the MLP output's changes what the layer's MLP maps, in each run.
+        assert (acted["shared", "own"] > 0) == (activation != "mlp_out"), sweep_name
         assert_equals_references(monkeypatch, sweep, activation, got, lm, (clean, corrupted, mask))
     assert_left_as_found(lm)
 
@@ -270,9 +280,134 @@ def test_a_projection_shared_with_another_layer_is_not_trimmed(acted):
     got = safelens.get_act_patch_attn_head_v_by_pos(
         lm, corrupted, clean_cache, last_only(1), progress=False
     )
-    assert acted["last", "lean"] == 0 and acted["shared", "lean"] > 0
+    assert acted["last", "lean"] > 0 and acted["shared", "lean"] > 0
+    # The output projection, the last layer's own, maps the last position alone; the
+    # shared query projection maps every position (other layers read them all).
+    lean = _hf_lean.Lean(_decoder_layers(lm, LAYERS)[1])
+    assert lean.last == [lm.model.layers[-1].self_attn.o_proj]
     indices = [(layer, pos, 0) for layer in range(LAYERS) for pos in (2, 3, 8)]
     with pytest.MonkeyPatch.context() as patched:
         patched.setattr("test_patching_hf.metric", _metric)
         expected = reference(lm, "v", indices, clean, corrupted, torch.ones_like(clean))
     assert (got[tuple(torch.tensor(indices).T)] - expected).abs().max() <= TOL
+
+
+@pytest.fixture
+def lean_calls(monkeypatch):
+    """What each module's replacement did in passes of several runs: `Counter` of
+    `((module, first layer of the pass), "lean" or "own")`."""
+    calls: Counter = Counter()
+    replacements = _hf_lean.Lean.replacements
+
+    def spy(self, first, runs, trim):
+        chosen = replacements(self, first, runs, trim)
+        if runs == 1:  # the shortcuts' checks (`_hf_shortcuts`): nothing shared
+            return chosen
+        return {module: _counting(calls, (module, first), r) for module, r in chosen.items()}
+
+    monkeypatch.setattr(_hf_lean.Lean, "replacements", spy)
+    return calls
+
+
+# family -> (attention module, its linear maps, the query and output projections among
+# them), as its code names them; GPT-2's query projection is joined to the keys' and values'
+ATTENTION_MAPS = {
+    "gpt2": ("attn", ("c_attn", "c_proj"), ("c_proj",)),
+    "llama": ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj"), ("q_proj", "o_proj")),
+}
+# activation -> (sweep, whether its grid has a head axis)
+LEAN_SWEEPS = {
+    "resid_pre": ("get_act_patch_resid_pre", False),
+    "attn_out": ("get_act_patch_attn_out", False),
+    "mlp_out": ("get_act_patch_mlp_out", False),
+    "k": ("get_act_patch_attn_head_k_by_pos", True),
+    "z": ("get_act_patch_attn_head_out_by_pos", True),
+}
+
+
+def every_position_metric(batch: int):
+    """A batched metric that reads every position's logits (no last-position trims)."""
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        values = logits[:, :, ANSWER].mean(1) - logits[:, -1, WRONG]
+        return values.reshape(-1, batch).mean(-1)
+
+    return metric
+
+
+def _every_position_of_one_run(logits: torch.Tensor) -> torch.Tensor:
+    return (logits[:, :, ANSWER].mean(1) - logits[:, -1, WRONG]).mean()
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("last", [True, False], ids=["last_position", "every_position"])
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_lean_sweeps_of_gpt2_and_llama_equal_a_loop_of_hooked_forwards(
+    name, last, batch, acted, monkeypatch
+):
+    lm = model(name, layers=LAYERS)
+    clean, corrupted = pair(batch)
+    mask = torch.ones_like(clean)
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    metric = last_only(batch) if last else every_position_metric(batch)
+    for activation, (sweep_name, heads) in LEAN_SWEEPS.items():
+        acted.clear()
+        sweep = getattr(safelens, sweep_name)
+        got = sweep(lm, corrupted, clean_cache, metric, progress=False)
+        assert acted["shared", "lean"] > 0 or activation == "resid_pre", sweep_name
+        assert (acted["last", "lean"] > 0) == last, sweep_name
+        indices = [(layer, pos, 1)[: 2 + heads] for layer in range(LAYERS) for pos in (3, 6, 9)]
+        with monkeypatch.context() as patched:
+            one_run = _metric if last else _every_position_of_one_run
+            patched.setattr("test_patching_hf.metric", one_run)
+            patched.setattr("test_patching_hf_sites.metric", one_run)
+            if activation == "z":
+                expected = vector_reference(lm, "z", indices, clean, corrupted)
+            else:
+                expected = reference(lm, activation, indices, clean, corrupted, mask)
+        assert (got[tuple(torch.tensor(indices).T)] - expected).abs().max() <= TOL, sweep_name
+        exact = without_shortcuts(monkeypatch, sweep, lm, corrupted, clean_cache, metric)
+        assert (got - exact).abs().max() <= TOL, sweep_name
+        assert (got - got.flatten()[0]).abs().max() > 1e-6, sweep_name
+    assert_left_as_found(lm)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_the_first_layers_maps_and_mlp_share_rows_and_the_last_output_projection_is_trimmed(
+    name, lean_calls
+):
+    lm = model(name, layers=LAYERS)
+    clean, corrupted = pair(2)
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    attention, maps, last_maps = ATTENTION_MAPS[name]
+
+    def modules(layer: int) -> list[torch.nn.Module]:
+        block = _layers(lm)[layer]
+        return [getattr(getattr(block, attention), n) for n in maps] + [block.mlp]
+
+    def calls_of_first_layers(kind: str) -> list[int]:
+        """How many calls of each pass's first layer's maps and MLP were `kind`."""
+        firsts = {first for (_, first), _ in lean_calls}
+        assert firsts == set(range(LAYERS))  # passes start at every layer
+        return [lean_calls[(m, f), kind] for f in firsts for m in modules(f)]
+
+    # An MLP output patch changes nothing its layer maps: each map and the MLP map one
+    # run's rows, in every pass (a metric of every position: no last-position trims).
+    sweep = safelens.get_act_patch_mlp_out
+    sweep(lm, corrupted, clean_cache, every_position_metric(2), progress=False)
+    assert all(calls_of_first_layers("lean")) and not any(calls_of_first_layers("own"))
+    # A residual patch makes the runs' rows differ: every row is mapped.
+    lean_calls.clear()
+    metric = every_position_metric(2)
+    safelens.get_act_patch_resid_pre(lm, corrupted, clean_cache, metric, progress=False)
+    assert all(calls_of_first_layers("own")) and not any(calls_of_first_layers("lean"))
+    # A last-position metric: in passes below the last layer, its query and output
+    # projections map the last position alone; the keys' and values' maps (GPT-2's
+    # `c_attn`, joined to the queries') are left whole.
+    lean_calls.clear()
+    sweep(lm, corrupted, clean_cache, last_only(2), progress=False)
+    last = getattr(_layers(lm)[-1], attention)
+    below = {(m, f) for (m, f), _ in lean_calls if f < LAYERS - 1 and m in set(last.children())}
+    assert {m for m, _ in below} == {getattr(last, n) for n in last_maps}
+    assert all(lean_calls[key, "lean"] and not lean_calls[key, "own"] for key in below)
+    assert_left_as_found(lm)
