@@ -39,9 +39,14 @@ from safelens.patching import _hf_lean
 from safelens.patching._hf_sites import _decoder_layers
 
 
+def _positions(shape) -> int:
+    return 0 if shape is None else shape[:-1].numel()
+
+
 def _counting(counts: Counter, key, replacement):
-    """`replacement`, each call counted in `counts[key, "own" or "lean"]`: "own" when it
-    ran the module's own forward once on its whole input."""
+    """`replacement`, each call counted in `counts[key, "own" or "lean"]` ("own": it ran
+    the module's own forward once on its whole input), and the positions it was handed
+    and the module's own forward mapped in `counts[key, "rows"]`, `counts[key, "mapped"]`."""
 
     def forward(own, *args, **kwargs):
         called = []
@@ -53,6 +58,8 @@ def _counting(counts: Counter, key, replacement):
         result = replacement(counted, *args, **kwargs)
         full = args[0].shape if args else None
         counts[key, "own" if called == [full] else "lean"] += 1
+        counts[key, "rows"] += _positions(full)
+        counts[key, "mapped"] += sum(_positions(shape) for shape in called)
         return result
 
     return forward
@@ -108,10 +115,9 @@ def test_each_replacement_acts_and_the_sweeps_equal_a_loop_of_hooked_forwards(
         # The output projection at least (GPT-2 and Phi-3 join their query projection to
         # the keys' and values', which map every position).
         assert acted["last", "lean"] > 0, (name, sweep_name)
-        # A patch of the layer's input makes its rows differ: then every row is mapped.
-        assert (acted["shared", "lean"] > 0) == (activation != "resid_pre"), sweep_name
-        # Any patch but the MLP output's changes what the layer's MLP maps, in each run.
-        assert (acted["shared", "own"] > 0) == (activation != "mlp_out"), sweep_name
+        # Each run's positions that differ from the first run's are mapped, no others.
+        assert acted["shared", "lean"] > 0 and not acted["shared", "own"], sweep_name
+        assert acted["shared", "mapped"] < acted["shared", "rows"], sweep_name
         assert_equals_references(monkeypatch, sweep, activation, got, lm, (clean, corrupted, mask))
     assert_left_as_found(lm)
 
@@ -199,16 +205,26 @@ def test_a_chunked_module_that_returns_more_than_a_tensor_is_run_whole():
     assert calls[-1] == 600  # after one chunk, the whole input
 
 
-def test_shared_rows_map_every_row_unless_all_runs_rows_are_equal():
+def test_shared_rows_map_the_first_runs_rows_and_the_others_positions_that_differ():
     linear = torch.nn.Linear(8, 5)
     forward = _hf_lean._shared_rows(3)
-    same = torch.randn(2, 4, 8).repeat(3, 1, 1)
-    assert torch.allclose(forward(linear.forward, same), linear(same), atol=1e-6)
+    same = torch.randn(2, 4, 8).repeat(3, 1, 1)  # 3 runs of 2 rows, 4 positions
+    mapped = []
+
+    def own(x):
+        mapped.append(tuple(x.shape))
+        return linear(x)
+
+    assert torch.allclose(forward(own, same), linear(same), atol=1e-6)
+    assert mapped == [(2, 4, 8)]
     differ = same.clone()
-    differ[5, 2, 0] += 1e-3
-    rows = []
-    out = forward(lambda x: rows.append(x.shape[0]) or linear(x), differ)
-    assert rows == [6] and torch.allclose(out, linear(differ))
+    differ[5, 2, 0] += 1e-3  # the third run's second row, at position 2
+    differ[2, 0, 1] = float("nan")  # the second run's first row, at position 0
+    mapped.clear()
+    out = forward(own, differ)
+    assert mapped == [(2, 4, 8), (1, 2, 8)]
+    assert torch.allclose(out, linear(differ), atol=1e-6, equal_nan=True)
+    assert out[2, 0].isnan().all() and not out[2, 1:].isnan().any()
 
 
 def test_a_module_is_overridden_once_at_a_time_on_a_thread_and_put_back():
@@ -294,8 +310,8 @@ def test_a_projection_shared_with_another_layer_is_not_trimmed(acted):
 
 @pytest.fixture
 def lean_calls(monkeypatch):
-    """What each module's replacement did in passes of several runs: `Counter` of
-    `((module, first layer of the pass), "lean" or "own")`."""
+    """What each module's replacement did in passes of several runs: `_counting`'s counts,
+    keyed by `(module, first layer of the pass, runs)`."""
     calls: Counter = Counter()
     replacements = _hf_lean.Lean.replacements
 
@@ -303,17 +319,27 @@ def lean_calls(monkeypatch):
         chosen = replacements(self, first, runs, trim)
         if runs == 1:  # the shortcuts' checks (`_hf_shortcuts`): nothing shared
             return chosen
-        return {module: _counting(calls, (module, first), r) for module, r in chosen.items()}
+        return {m: _counting(calls, (m, first, runs), r) for m, r in chosen.items()}
 
     monkeypatch.setattr(_hf_lean.Lean, "replacements", spy)
     return calls
 
 
-# family -> (attention module, its linear maps, the query and output projections among
-# them), as its code names them; GPT-2's query projection is joined to the keys' and values'
+# family -> (attention module, the linear maps of its input, its output projection, the
+# projections a last-position pass trims), as its code names them; GPT-2 joins its query
+# projection to the keys' and values' (`c_attn`), which map every position
 ATTENTION_MAPS = {
-    "gpt2": ("attn", ("c_attn", "c_proj"), ("c_proj",)),
-    "llama": ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj"), ("q_proj", "o_proj")),
+    "gpt2": ("attn", ("c_attn",), "c_proj", ("c_proj",)),
+    "llama": ("self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj", ("q_proj", "o_proj")),
+}
+# activation -> which of the first layer's attention input maps, output projection and MLP
+# see every run's rows equal to the first run's (the others: some positions differ)
+EQUAL_ROWS = {
+    "mlp_out": (True, True, True),
+    "attn_out": (True, True, False),
+    "k": (True, False, False),
+    "z": (True, False, False),
+    "resid_pre": (False, False, False),
 }
 # activation -> (sweep, whether its grid has a head axis)
 LEAN_SWEEPS = {
@@ -379,35 +405,43 @@ def test_the_first_layers_maps_and_mlp_share_rows_and_the_last_output_projection
     lm = model(name, layers=LAYERS)
     clean, corrupted = pair(2)
     _, clean_cache = run_with_patching_cache(lm, clean)
-    attention, maps, last_maps = ATTENTION_MAPS[name]
+    attention, inputs, output, trimmed = ATTENTION_MAPS[name]
 
-    def modules(layer: int) -> list[torch.nn.Module]:
+    def roles(layer: int) -> tuple[list[torch.nn.Module], ...]:
         block = _layers(lm)[layer]
-        return [getattr(getattr(block, attention), n) for n in maps] + [block.mlp]
+        seen = getattr(block, attention)
+        return [getattr(seen, n) for n in inputs], [getattr(seen, output)], [block.mlp]
 
-    def calls_of_first_layers(kind: str) -> list[int]:
-        """How many calls of each pass's first layer's maps and MLP were `kind`."""
-        firsts = {first for (_, first), _ in lean_calls}
-        assert firsts == set(range(LAYERS))  # passes start at every layer
-        return [lean_calls[(m, f), kind] for f in firsts for m in modules(f)]
-
-    # An MLP output patch changes nothing its layer maps: each map and the MLP map one
-    # run's rows, in every pass (a metric of every position: no last-position trims).
-    sweep = safelens.get_act_patch_mlp_out
-    sweep(lm, corrupted, clean_cache, every_position_metric(2), progress=False)
-    assert all(calls_of_first_layers("lean")) and not any(calls_of_first_layers("own"))
-    # A residual patch makes the runs' rows differ: every row is mapped.
-    lean_calls.clear()
-    metric = every_position_metric(2)
-    safelens.get_act_patch_resid_pre(lm, corrupted, clean_cache, metric, progress=False)
-    assert all(calls_of_first_layers("own")) and not any(calls_of_first_layers("lean"))
+    # A metric of every position: no last-position trims, passes from every layer share.
+    for activation, equal in EQUAL_ROWS.items():
+        lean_calls.clear()
+        sweep = getattr(safelens, LEAN_SWEEPS[activation][0])
+        sweep(lm, corrupted, clean_cache, every_position_metric(2), progress=False)
+        passes = {(first, runs) for (_, first, runs), _ in lean_calls}
+        assert {first for first, _ in passes} == set(range(LAYERS)), activation
+        for role, shared in zip(range(3), equal, strict=True):
+            for first, runs in passes:
+                for module in roles(first)[role]:
+                    key = (module, first, runs)
+                    rows, mapped = lean_calls[key, "rows"], lean_calls[key, "mapped"]
+                    assert rows and not lean_calls[key, "own"], (activation, role)
+                    # Equal rows: the first run's alone; else those and the others' that differ.
+                    if shared:
+                        assert mapped * runs == rows, (activation, role, first)
+                    else:
+                        assert rows // runs < mapped <= rows, (activation, role, first)
+        if activation == "resid_pre":  # before the attention, the patched positions alone
+            maps = [(m, f, r) for f, r in passes for m in roles(f)[0]]
+            assert sum(lean_calls[key, "mapped"] for key in maps) < sum(
+                lean_calls[key, "rows"] for key in maps
+            )
     # A last-position metric: in passes below the last layer, its query and output
-    # projections map the last position alone; the keys' and values' maps (GPT-2's
-    # `c_attn`, joined to the queries') are left whole.
+    # projections map the last position alone; its keys' and values' maps, every position.
     lean_calls.clear()
+    sweep = safelens.get_act_patch_mlp_out
     sweep(lm, corrupted, clean_cache, last_only(2), progress=False)
     last = getattr(_layers(lm)[-1], attention)
-    below = {(m, f) for (m, f), _ in lean_calls if f < LAYERS - 1 and m in set(last.children())}
-    assert {m for m, _ in below} == {getattr(last, n) for n in last_maps}
+    below = {key for key, _ in lean_calls if key[1] < LAYERS - 1 and key[0] in set(last.children())}
+    assert {module for module, _, _ in below} == {getattr(last, n) for n in trimmed}
     assert all(lean_calls[key, "lean"] and not lean_calls[key, "own"] for key in below)
     assert_left_as_found(lm)

@@ -9,10 +9,12 @@ when no hook of the user's is attached anywhere:
   the same hidden states until its patch (the corrupted run's residual stream, repeated
   per run), so each linear map of that layer's attention (`nn.Linear`s such as `q_proj`,
   `k_proj`; GPT-2's `Conv1D`s `c_attn`, `c_proj`) and that layer's MLP (when built of
-  maps of one position each, `_position_wise`) map one run's rows and repeat the
-  result. It checks that the rows are equal, bitwise, and maps them all where they are
-  not (a patch before the module: a residual patch, or any patch before the MLP but
-  `mlp_out`'s).
+  maps of one position each, `_position_wise`) map the first run's rows, and of each
+  other run only the positions where its rows differ from the first run's, bitwise
+  (compared each time); every other position takes the first run's result. A patch of
+  `mlp_out` leaves every position equal; a patch of the layer's input (`resid_pre`)
+  makes a run's rows differ at its position before the attention, and from there on
+  after it; a patch of `k`, `v`, `z` or `attn_out`, from the attention on.
 - *Last query* (`_last_position`): for a metric that reads only the last position, the
   last layer's query projection (`q_proj`; none where it is joined to the keys' and
   values', as GPT-2's `c_attn`) and output projection
@@ -30,9 +32,10 @@ when no hook of the user's is attached anywhere:
 All three are taken only as part of the sweep's shortcuts, which are checked once per
 sweep on the model itself (the unpatched corrupted tokens must give the corrupted run's
 logits); a family where one does not hold runs without them. On a bridge's own
-components (hook points inside its modules) none is taken. Two on one module nest
-(`_nested`): shared rows outermost, so that the chunks or the last position are of one
-run's rows.
+components (hook points inside its modules) none is taken. Shared rows and chunks on
+one MLP nest (`_nested`): the chunks are of the rows shared rows maps. A projection that
+maps the last position alone is not shared (it maps what it is handed as positions of
+one row, not positions gathered from several runs).
 """
 
 from __future__ import annotations
@@ -96,17 +99,22 @@ def _position_wise(module: torch.nn.Module) -> bool:
 
 
 def _shared_rows(runs: int) -> Replacement:
-    """A map of each row on its own, of `runs` runs' equal rows: one run's, mapped and repeated."""
+    """A map of each position over `runs` runs: the first run's, and the others' that differ.
+
+    Every other position of the other runs takes the first run's result there.
+    """
 
     def forward(own: Any, *args: Any, **kwargs: Any) -> Any:
         x = _only_tensor(args, kwargs)
         if x is None or x.dim() < 2 or x.shape[0] % runs:
             return own(*args, **kwargs)
-        rows = x.shape[0] // runs
-        first = x[:rows]
-        if not torch.equal(x.unflatten(0, (runs, rows)), first.expand(runs, *first.shape)):
-            return own(x)
-        return own(first).repeat(runs, *(1,) * (x.dim() - 1))
+        seen = x.unflatten(0, (runs, x.shape[0] // runs))
+        differ = (seen[1:] != seen[0]).any(-1)  # [runs - 1, rows, positions...]
+        out = own(seen[0])
+        out = out.expand(runs, *out.shape).clone()
+        if differ.any():
+            out[1:][differ] = own(seen[1:][differ][None])[0]
+        return out.flatten(0, 1)
 
     return forward
 
@@ -184,13 +192,13 @@ class Lean:
         chosen: dict[torch.nn.Module, list[Replacement]] = {
             mlp: [_chunked] for mlp in self.mlps[first:]
         }
-        if trim:
-            for module in self.last:
-                chosen.setdefault(module, []).append(_last_position)
+        last = self.last if trim else []
+        chosen.update({module: [_last_position] for module in last})
         if runs > 1:
             shared = _shared_rows(runs)
             mlp = self.row_wise[first]
             maps = _linear_children(_attention(self.layers[first]))
             for module in [*maps, *([] if mlp is None else [mlp])]:
-                chosen.setdefault(module, []).append(shared)
+                if module not in last:
+                    chosen.setdefault(module, []).append(shared)
         return {module: _nested(replacements) for module, replacements in chosen.items()}
