@@ -11,7 +11,8 @@ when no hook of the user's is attached anywhere:
   `k_proj`; GPT-2's `Conv1D`s `c_attn`, `c_proj`) and that layer's MLP (when built of
   maps of one position each, `_position_wise`) map the first run's rows, and of each
   other run only the positions where its rows differ from the first run's, bitwise
-  (compared each time); every other position takes the first run's result. A patch of
+  (compared each time); every other position takes the first run's result (where most
+  differ, every row is mapped, as without the replacement). A patch of
   `mlp_out` leaves every position equal; a patch of the layer's input (`resid_pre`)
   makes a run's rows differ at its position before the attention, and from there on
   after it; a patch of `k`, `v`, `z` or `attn_out`, from the attention on.
@@ -101,7 +102,8 @@ def _position_wise(module: torch.nn.Module) -> bool:
 def _shared_rows(runs: int) -> Replacement:
     """A map of each position over `runs` runs: the first run's, and the others' that differ.
 
-    Every other position of the other runs takes the first run's result there.
+    Every other position of the other runs takes the first run's result there. Where
+    most positions differ, every row is mapped.
     """
 
     def forward(own: Any, *args: Any, **kwargs: Any) -> Any:
@@ -110,10 +112,13 @@ def _shared_rows(runs: int) -> Replacement:
             return own(*args, **kwargs)
         seen = x.unflatten(0, (runs, x.shape[0] // runs))
         differ = (seen[1:] != seen[0]).any(-1)  # [runs - 1, rows, positions...]
+        count = int(differ.sum())
+        if 2 * count > differ.numel():  # gathering them would cost more than it saves
+            return own(x)
         out = own(seen[0])
         out = out.expand(runs, *out.shape).clone()
-        if differ.any():
-            out[1:][differ] = own(seen[1:][differ][None])[0]
+        if count:
+            out[1:][differ] = own(seen[1:][differ].unsqueeze(1)).squeeze(1)
         return out.flatten(0, 1)
 
     return forward
