@@ -1,11 +1,13 @@
 """The replacements inside a sweep's passes on HuggingFace models (`_hf_lean`).
 
-Shared rows (the first layer's attention maps one run's rows), the last query (the last
-layer's query and output projections map the last position alone) and the chunked MLP
-(a CPU pass maps an MLP's input a few rows at a time). Each test makes every replacement
-act (chunks of 4 positions, so that the tiny models' passes are chunked), records what
-acted, and compares the sweep with a loop of hooked forwards (`test_patching_hf`) and
-with the same sweep without shortcuts.
+Shared rows (the first layer's attention maps and MLP map one run's rows), the last
+query (the last layer's query and output projections map the last position alone) and
+the chunked MLP (a CPU pass maps an MLP's input a few rows at a time). Each test makes
+every replacement act (chunks of 4 positions, so that the tiny models' passes are
+chunked), records what acted, and compares the sweep with a loop of hooked forwards
+(`test_patching_hf`; head outputs: `test_patching_hf_sites`) and with the same sweep
+without shortcuts. GPT-2's linear maps are `Conv1D`s, its query projection joined to
+the keys' and values' (`c_attn`); Llama's are `nn.Linear`s.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 import torch
 import transformers
 from hf_models import SIZES, SPECIAL, model
-from test_patching_hf import ANSWER, TOL, WRONG, reference
+from test_patching_hf import ANSWER, TOL, WRONG, _layers, reference
 from test_patching_hf_shortcuts import (
     HF_SWEEPS,
     LAYERS,
@@ -27,12 +29,40 @@ from test_patching_hf_shortcuts import (
     pair,
     without_shortcuts,
 )
+from test_patching_hf_sites import vector_reference
 
 import safelens
 from safelens import run_with_patching_cache
 from safelens.backends.hf import _override
 from safelens.backends.hf._override import overriding
 from safelens.patching import _hf_lean
+from safelens.patching._hf_sites import _decoder_layers
+
+
+def _positions(shape) -> int:
+    return 0 if shape is None else shape[:-1].numel()
+
+
+def _counting(counts: Counter, key, replacement):
+    """`replacement`, each call counted in `counts[key, "own" or "lean"]` ("own": it ran
+    the module's own forward once on its whole input), and the positions it was handed
+    and the module's own forward mapped in `counts[key, "rows"]`, `counts[key, "mapped"]`."""
+
+    def forward(own, *args, **kwargs):
+        called = []
+
+        def counted(*a, **k):
+            called.append(a[0].shape if a else None)
+            return own(*a, **k)
+
+        result = replacement(counted, *args, **kwargs)
+        full = args[0].shape if args else None
+        counts[key, "own" if called == [full] else "lean"] += 1
+        counts[key, "rows"] += _positions(full)
+        counts[key, "mapped"] += sum(_positions(shape) for shape in called)
+        return result
+
+    return forward
 
 
 @pytest.fixture
@@ -42,19 +72,7 @@ def acted(monkeypatch):
     monkeypatch.setattr(_hf_lean, "_CHUNK_TOKENS", 4)
 
     def spying(kind, replacement):
-        def forward(own, *args, **kwargs):
-            called = []
-
-            def counted(*a, **k):
-                called.append(a[0].shape if a else None)
-                return own(*a, **k)
-
-            result = replacement(counted, *args, **kwargs)
-            full = args[0].shape if args else None
-            counts[kind, "own" if called == [full] else "lean"] += 1
-            return result
-
-        return forward
+        return _counting(counts, kind, replacement)
 
     shared = _hf_lean._shared_rows
     monkeypatch.setattr(_hf_lean, "_chunked", spying("chunked", _hf_lean._chunked))
@@ -94,14 +112,12 @@ def test_each_replacement_acts_and_the_sweeps_equal_a_loop_of_hooked_forwards(
         sweep = getattr(safelens, sweep_name)
         got = sweep(lm, corrupted, clean_cache, last_only(2), progress=False)
         assert acted["chunked", "lean"] > 0, (name, sweep_name)
-        # GPT-2 and Phi-3 join their query projection to the keys' and values'.
-        assert (acted["last", "lean"] > 0) == (name not in ("gpt2", "phi3")), (name, sweep_name)
-        if name != "gpt2":  # `Conv1D`, not `nn.Linear`: GPT-2's attention maps every row
-            # A patch of the layer's input makes its rows differ: then every row is mapped.
-            assert (acted["shared", "lean"] > 0) == (activation != "resid_pre"), sweep_name
-            # A key or value patch changes what the output projection maps, in each run.
-            differ = activation in ("k", "v", "resid_pre")
-            assert (acted["shared", "own"] > 0) == differ, sweep_name
+        # The output projection at least (GPT-2 and Phi-3 join their query projection to
+        # the keys' and values', which map every position).
+        assert acted["last", "lean"] > 0, (name, sweep_name)
+        # Each run's positions that differ from the first run's are mapped, no others.
+        assert acted["shared", "lean"] > 0, sweep_name
+        assert acted["shared", "mapped"] < acted["shared", "rows"], sweep_name
         assert_equals_references(monkeypatch, sweep, activation, got, lm, (clean, corrupted, mask))
     assert_left_as_found(lm)
 
@@ -189,16 +205,31 @@ def test_a_chunked_module_that_returns_more_than_a_tensor_is_run_whole():
     assert calls[-1] == 600  # after one chunk, the whole input
 
 
-def test_shared_rows_map_every_row_unless_all_runs_rows_are_equal():
+def test_shared_rows_map_the_first_runs_rows_and_the_others_positions_that_differ():
     linear = torch.nn.Linear(8, 5)
     forward = _hf_lean._shared_rows(3)
-    same = torch.randn(2, 4, 8).repeat(3, 1, 1)
-    assert torch.allclose(forward(linear.forward, same), linear(same), atol=1e-6)
+    same = torch.randn(2, 4, 8).repeat(3, 1, 1)  # 3 runs of 2 rows, 4 positions
+    mapped = []
+
+    def own(x):
+        mapped.append(tuple(x.shape))
+        return linear(x)
+
+    assert torch.allclose(forward(own, same), linear(same), atol=1e-6)
+    assert mapped == [(2, 4, 8)]
     differ = same.clone()
-    differ[5, 2, 0] += 1e-3
-    rows = []
-    out = forward(lambda x: rows.append(x.shape[0]) or linear(x), differ)
-    assert rows == [6] and torch.allclose(out, linear(differ))
+    differ[5, 2, 0] += 1e-3  # the third run's second row, at position 2
+    differ[2, 0, 1] = float("nan")  # the second run's first row, at position 0
+    mapped.clear()
+    out = forward(own, differ)
+    assert mapped == [(2, 4, 8), (2, 1, 8)]
+    assert torch.allclose(out, linear(differ), atol=1e-6, equal_nan=True)
+    assert out[2, 0].isnan().all() and not out[2, 1:].isnan().any()
+    # Most positions differ (a residual patch's, after the attention): every row is mapped.
+    differ[2:, 1:] += 1.0
+    mapped.clear()
+    assert torch.allclose(forward(own, differ), linear(differ), atol=1e-6, equal_nan=True)
+    assert mapped == [(6, 4, 8)]
 
 
 def test_a_module_is_overridden_once_at_a_time_on_a_thread_and_put_back():
@@ -270,9 +301,153 @@ def test_a_projection_shared_with_another_layer_is_not_trimmed(acted):
     got = safelens.get_act_patch_attn_head_v_by_pos(
         lm, corrupted, clean_cache, last_only(1), progress=False
     )
-    assert acted["last", "lean"] == 0 and acted["shared", "lean"] > 0
+    assert acted["last", "lean"] > 0 and acted["shared", "lean"] > 0
+    # The output projection, the last layer's own, maps the last position alone; the
+    # shared query projection maps every position (other layers read them all).
+    lean = _hf_lean.Lean(_decoder_layers(lm, LAYERS)[1])
+    assert lean.last == [lm.model.layers[-1].self_attn.o_proj]
     indices = [(layer, pos, 0) for layer in range(LAYERS) for pos in (2, 3, 8)]
     with pytest.MonkeyPatch.context() as patched:
         patched.setattr("test_patching_hf.metric", _metric)
         expected = reference(lm, "v", indices, clean, corrupted, torch.ones_like(clean))
     assert (got[tuple(torch.tensor(indices).T)] - expected).abs().max() <= TOL
+
+
+@pytest.fixture
+def lean_calls(monkeypatch):
+    """What each module's replacement did in passes of several runs: `_counting`'s counts,
+    keyed by `(module, first layer of the pass, runs)`."""
+    calls: Counter = Counter()
+    replacements = _hf_lean.Lean.replacements
+
+    def spy(self, first, runs, trim):
+        chosen = replacements(self, first, runs, trim)
+        if runs == 1:  # the shortcuts' checks (`_hf_shortcuts`): nothing shared
+            return chosen
+        return {m: _counting(calls, (m, first, runs), r) for m, r in chosen.items()}
+
+    monkeypatch.setattr(_hf_lean.Lean, "replacements", spy)
+    return calls
+
+
+# family -> (attention module, the linear maps of its input, its output projection, the
+# projections a last-position pass trims), as its code names them; GPT-2 joins its query
+# projection to the keys' and values' (`c_attn`), which map every position
+ATTENTION_MAPS = {
+    "gpt2": ("attn", ("c_attn",), "c_proj", ("c_proj",)),
+    "llama": ("self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj", ("q_proj", "o_proj")),
+}
+# activation -> which of the first layer's attention input maps, output projection and MLP
+# see every run's rows equal to the first run's (the others: some positions differ)
+EQUAL_ROWS = {
+    "mlp_out": (True, True, True),
+    "attn_out": (True, True, False),
+    "k": (True, False, False),
+    "z": (True, False, False),
+    "resid_pre": (False, False, False),
+}
+# activation -> (sweep, whether its grid has a head axis)
+LEAN_SWEEPS = {
+    "resid_pre": ("get_act_patch_resid_pre", False),
+    "attn_out": ("get_act_patch_attn_out", False),
+    "mlp_out": ("get_act_patch_mlp_out", False),
+    "k": ("get_act_patch_attn_head_k_by_pos", True),
+    "z": ("get_act_patch_attn_head_out_by_pos", True),
+}
+
+
+def every_position_metric(batch: int):
+    """A batched metric that reads every position's logits (no last-position trims)."""
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        values = logits[:, :, ANSWER].mean(1) - logits[:, -1, WRONG]
+        return values.reshape(-1, batch).mean(-1)
+
+    return metric
+
+
+def _every_position_of_one_run(logits: torch.Tensor) -> torch.Tensor:
+    return (logits[:, :, ANSWER].mean(1) - logits[:, -1, WRONG]).mean()
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("last", [True, False], ids=["last_position", "every_position"])
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_lean_sweeps_of_gpt2_and_llama_equal_a_loop_of_hooked_forwards(
+    name, last, batch, acted, monkeypatch
+):
+    lm = model(name, layers=LAYERS)
+    clean, corrupted = pair(batch)
+    mask = torch.ones_like(clean)
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    metric = last_only(batch) if last else every_position_metric(batch)
+    for activation, (sweep_name, heads) in LEAN_SWEEPS.items():
+        acted.clear()
+        sweep = getattr(safelens, sweep_name)
+        got = sweep(lm, corrupted, clean_cache, metric, progress=False)
+        assert acted["shared", "lean"] > 0 or activation == "resid_pre", sweep_name
+        assert (acted["last", "lean"] > 0) == last, sweep_name
+        indices = [(layer, pos, 1)[: 2 + heads] for layer in range(LAYERS) for pos in (3, 6, 9)]
+        with monkeypatch.context() as patched:
+            one_run = _metric if last else _every_position_of_one_run
+            patched.setattr("test_patching_hf.metric", one_run)
+            patched.setattr("test_patching_hf_sites.metric", one_run)
+            if activation == "z":
+                expected = vector_reference(lm, "z", indices, clean, corrupted)
+            else:
+                expected = reference(lm, activation, indices, clean, corrupted, mask)
+        assert (got[tuple(torch.tensor(indices).T)] - expected).abs().max() <= TOL, sweep_name
+        exact = without_shortcuts(monkeypatch, sweep, lm, corrupted, clean_cache, metric)
+        assert (got - exact).abs().max() <= TOL, sweep_name
+        assert (got - got.flatten()[0]).abs().max() > 1e-6, sweep_name
+    assert_left_as_found(lm)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_the_first_layers_maps_and_mlp_share_rows_and_the_last_output_projection_is_trimmed(
+    name, lean_calls
+):
+    lm = model(name, layers=LAYERS)
+    clean, corrupted = pair(2)
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    attention, inputs, output, trimmed = ATTENTION_MAPS[name]
+
+    def roles(layer: int) -> tuple[list[torch.nn.Module], ...]:
+        block = _layers(lm)[layer]
+        seen = getattr(block, attention)
+        return [getattr(seen, n) for n in inputs], [getattr(seen, output)], [block.mlp]
+
+    # A metric of every position: no last-position trims, passes from every layer share.
+    for activation, equal in EQUAL_ROWS.items():
+        lean_calls.clear()
+        sweep = getattr(safelens, LEAN_SWEEPS[activation][0])
+        sweep(lm, corrupted, clean_cache, every_position_metric(2), progress=False)
+        passes = {(first, runs) for (_, first, runs), _ in lean_calls}
+        assert {first for first, _ in passes} == set(range(LAYERS)), activation
+        for role, shared in zip(range(3), equal, strict=True):
+            for first, runs in passes:
+                for module in roles(first)[role]:
+                    key = (module, first, runs)
+                    rows, mapped = lean_calls[key, "rows"], lean_calls[key, "mapped"]
+                    assert rows, (activation, role)
+                    # Equal rows: the first run's alone; else those and the others' that
+                    # differ (every row, where most differ).
+                    if shared:
+                        assert mapped * runs == rows and not lean_calls[key, "own"], activation
+                    else:
+                        assert rows // runs < mapped <= rows, (activation, role, first)
+        if activation == "resid_pre":  # before the attention, the patched positions alone
+            maps = [(m, f, r) for f, r in passes for m in roles(f)[0]]
+            assert sum(lean_calls[key, "mapped"] for key in maps) < sum(
+                lean_calls[key, "rows"] for key in maps
+            )
+    # A last-position metric: in passes below the last layer, its query and output
+    # projections map the last position alone; its keys' and values' maps, every position.
+    lean_calls.clear()
+    sweep = safelens.get_act_patch_mlp_out
+    sweep(lm, corrupted, clean_cache, last_only(2), progress=False)
+    last = getattr(_layers(lm)[-1], attention)
+    below = {key for key, _ in lean_calls if key[1] < LAYERS - 1 and key[0] in set(last.children())}
+    assert {module for module, _, _ in below} == {getattr(last, n) for n in trimmed}
+    assert all(lean_calls[key, "lean"] and not lean_calls[key, "own"] for key in below)
+    assert_left_as_found(lm)

@@ -7,15 +7,23 @@ when no hook of the user's is attached anywhere:
 
 - *Shared rows* (`_shared_rows`): in the first layer a pass runs, every run's rows hold
   the same hidden states until its patch (the corrupted run's residual stream, repeated
-  per run), so each linear map of that layer's attention (`q_proj`, `k_proj`, ...) maps
-  one run's rows and repeats the result. It checks that the rows are equal, bitwise,
-  and maps them all where they are not (a patch before the map, a residual patch).
+  per run), so each linear map of that layer's attention (`nn.Linear`s such as `q_proj`,
+  `k_proj`; GPT-2's `Conv1D`s `c_attn`, `c_proj`) and that layer's MLP (when built of
+  maps of one position each, `_position_wise`) map the first run's rows, and of each
+  other run only the positions where its rows differ from the first run's, bitwise
+  (compared each time); every other position takes the first run's result (where most
+  differ, every row is mapped, as without the replacement). A patch of
+  `mlp_out` leaves every position equal; a patch of the layer's input (`resid_pre`)
+  makes a run's rows differ at its position before the attention, and from there on
+  after it; a patch of `k`, `v`, `z` or `attn_out`, from the attention on.
 - *Last query* (`_last_position`): for a metric that reads only the last position, the
-  last layer's query and output projections (`q_proj`, `o_proj`, plain `nn.Linear`s)
-  map that position alone and hand zeros elsewhere. The keys and values of every
-  position are mapped as usual, so the last position attends as in a full pass; what
-  the other positions compute is never read (their MLP input is trimmed already,
-  `safelens.patching._hf_shortcuts`).
+  last layer's query projection (`q_proj`; none where it is joined to the keys' and
+  values', as GPT-2's `c_attn`) and output projection
+  ([`output_projection`][safelens.backends.hf._seams.output_projection]: `o_proj`,
+  `c_proj`, `dense`, `out_proj`), where they are linear maps, map that position alone
+  and hand zeros elsewhere. The keys and values of every position are mapped as usual,
+  so the last position attends as in a full pass; what the other positions compute is
+  never read (their MLP input is trimmed already, `safelens.patching._hf_shortcuts`).
 - *Chunked MLP* (`_chunked`), on a CPU: each decoder layer's MLP maps its input a few
   rows at a time (`_CHUNK_TOKENS` positions), so its wide intermediate activations stay
   in the processor's cache instead of fresh memory. Only an MLP built of linear maps and
@@ -25,11 +33,15 @@ when no hook of the user's is attached anywhere:
 All three are taken only as part of the sweep's shortcuts, which are checked once per
 sweep on the model itself (the unpatched corrupted tokens must give the corrupted run's
 logits); a family where one does not hold runs without them. On a bridge's own
-components (hook points inside its modules) none is taken.
+components (hook points inside its modules) none is taken. Shared rows and chunks on
+one MLP nest (`_nested`): the chunks are of the rows shared rows maps. A projection that
+maps the last position alone is not shared (it maps what it is handed as positions of
+one row, not positions gathered from several runs).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -38,6 +50,8 @@ import torch
 from transformers.pytorch_utils import Conv1D
 
 from ..backends.hf._override import Replacement
+from ..backends.hf._seams import output_projection
+from ..core._errors import PatchingError
 from ._hf_sites import ATTENTION_MODULES, child_named
 
 __all__ = ["Lean"]
@@ -45,9 +59,11 @@ __all__ = ["Lean"]
 # Positions per chunk of an MLP's input on a CPU: a chunk's intermediate activations
 # (`_CHUNK_TOKENS * intermediate_size` values) then fit a core's cache on common models.
 _CHUNK_TOKENS = 256
-# The parts an MLP that maps each position on its own is built of (GPT-2's `Conv1D` is
-# a linear map too), and the modules that define activation functions.
-_POSITION_WISE = (torch.nn.Linear, torch.nn.Dropout, torch.nn.Identity, Conv1D)
+# Linear maps: GPT-2's `Conv1D` is one too (`x @ weight + bias`).
+_LINEAR = (torch.nn.Linear, Conv1D)
+# The parts an MLP that maps each position on its own is built of, and the modules that
+# define activation functions.
+_POSITION_WISE = (*_LINEAR, torch.nn.Dropout, torch.nn.Identity)
 _ACTIVATIONS = ("torch.nn.modules.activation", "transformers.activations")
 
 
@@ -61,10 +77,17 @@ def _only_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor 
     return args[0] if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor) else None
 
 
-def _linear_children(module: torch.nn.Module | None) -> list[torch.nn.Linear]:
+def _linear_children(module: torch.nn.Module | None) -> list[torch.nn.Module]:
     if module is None:
         return []
-    return [child for child in module.children() if isinstance(child, torch.nn.Linear)]
+    return [child for child in module.children() if isinstance(child, _LINEAR)]
+
+
+def _output_projection(layer: torch.nn.Module, index: int) -> torch.nn.Module | None:
+    try:
+        return output_projection(layer, index)
+    except PatchingError:
+        return None
 
 
 def _position_wise(module: torch.nn.Module) -> bool:
@@ -77,17 +100,26 @@ def _position_wise(module: torch.nn.Module) -> bool:
 
 
 def _shared_rows(runs: int) -> Replacement:
-    """A linear map of `runs` runs whose rows are equal: one run's rows, mapped and repeated."""
+    """A map of each position over `runs` runs: the first run's, and the others' that differ.
+
+    Every other position of the other runs takes the first run's result there. Where
+    most positions differ, every row is mapped.
+    """
 
     def forward(own: Any, *args: Any, **kwargs: Any) -> Any:
         x = _only_tensor(args, kwargs)
         if x is None or x.dim() < 2 or x.shape[0] % runs:
             return own(*args, **kwargs)
-        rows = x.shape[0] // runs
-        first = x[:rows]
-        if not torch.equal(x.unflatten(0, (runs, rows)), first.expand(runs, *first.shape)):
+        seen = x.unflatten(0, (runs, x.shape[0] // runs))
+        differ = (seen[1:] != seen[0]).any(-1)  # [runs - 1, rows, positions...]
+        count = int(differ.sum())
+        if 2 * count > differ.numel():  # gathering them would cost more than it saves
             return own(x)
-        return own(first).repeat(runs, *(1,) * (x.dim() - 1))
+        out = own(seen[0])
+        out = out.expand(runs, *out.shape).clone()
+        if count:
+            out[1:][differ] = own(seen[1:][differ].unsqueeze(1)).squeeze(1)
+        return out.flatten(0, 1)
 
     return forward
 
@@ -101,6 +133,19 @@ def _last_position(own: Any, *args: Any, **kwargs: Any) -> Any:
     out = last.new_zeros(*x.shape[:-1], last.shape[-1])
     out[:, -1:] = last
     return out
+
+
+def _nested(replacements: list[Replacement]) -> Replacement:
+    """One replacement of several on one module: each calls the one before as its forward."""
+    if len(replacements) == 1:
+        return replacements[0]
+
+    def forward(own: Any, *args: Any, **kwargs: Any) -> Any:
+        for replacement in replacements:
+            own = functools.partial(replacement, own)
+        return own(*args, **kwargs)
+
+    return forward
 
 
 def _chunked(own: Any, *args: Any, **kwargs: Any) -> Any:
@@ -126,28 +171,39 @@ class Lean:
     def __init__(self, layers: Iterable[torch.nn.Module]) -> None:
         self.layers = list(layers)
         mlps = [getattr(layer, "mlp", None) for layer in self.layers]
-        self.mlps: list[torch.nn.Module] = [
-            mlp for mlp in mlps if isinstance(mlp, torch.nn.Module) and _position_wise(mlp)
+        # Each layer's MLP if it maps each position (so each row) on its own, else `None`.
+        self.row_wise: list[torch.nn.Module | None] = [
+            mlp if isinstance(mlp, torch.nn.Module) and _position_wise(mlp) else None
+            for mlp in mlps
         ]
         # Chunks pay on a CPU only: every MLP's weights there (none on a GPU, none offloaded).
-        on_cpu = all(p.device.type == "cpu" for mlp in self.mlps for p in mlp.parameters())
-        if not on_cpu or len(self.mlps) < len(mlps):
-            self.mlps = []
-        attention = _attention(self.layers[-1])
-        last = [getattr(attention, name, None) for name in ("q_proj", "o_proj")]
-        self.last: list[torch.nn.Module] = [
-            module for module in last if isinstance(module, torch.nn.Linear)
-        ]
+        chunks = all(
+            mlp is not None and all(p.device.type == "cpu" for p in mlp.parameters())
+            for mlp in self.row_wise
+        )
+        self.mlps = [mlp for mlp in self.row_wise if mlp is not None] if chunks else []
+        query = getattr(_attention(self.layers[-1]), "q_proj", None)
+        output = _output_projection(self.layers[-1], len(self.layers) - 1)
         elsewhere = {id(module) for layer in self.layers[:-1] for module in layer.modules()}
-        if len(self.last) < len(last) or any(id(module) in elsewhere for module in self.last):
-            self.last = []  # not plain linear maps, or shared with another layer
+        # Linear maps, and not shared with another layer (whose positions are all read).
+        self.last: list[torch.nn.Module] = [
+            module
+            for module in (query, output)
+            if isinstance(module, _LINEAR) and id(module) not in elsewhere
+        ]
 
     def replacements(self, first: int, runs: int, trim: bool) -> dict[torch.nn.Module, Replacement]:
         """The replacements of a pass from layer `first` with `runs` runs (`trim`: last position)."""
-        chosen: dict[torch.nn.Module, Replacement] = dict.fromkeys(self.mlps[first:], _chunked)
-        if trim:
-            chosen.update(dict.fromkeys(self.last, _last_position))
-        if runs > 1 and first < len(self.layers) - 1:
+        chosen: dict[torch.nn.Module, list[Replacement]] = {
+            mlp: [_chunked] for mlp in self.mlps[first:]
+        }
+        last = self.last if trim else []
+        chosen.update({module: [_last_position] for module in last})
+        if runs > 1:
             shared = _shared_rows(runs)
-            chosen.update(dict.fromkeys(_linear_children(_attention(self.layers[first])), shared))
-        return chosen
+            mlp = self.row_wise[first]
+            maps = _linear_children(_attention(self.layers[first]))
+            for module in [*maps, *([] if mlp is None else [mlp])]:
+                if module not in last:
+                    chosen.setdefault(module, []).append(shared)
+        return {module: _nested(replacements) for module, replacements in chosen.items()}
