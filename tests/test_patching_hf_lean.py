@@ -35,8 +35,8 @@ import safelens
 from safelens import run_with_patching_cache
 from safelens.backends.hf import _override
 from safelens.backends.hf._override import overriding
+from safelens.backends.hf._sites import decoder_layers
 from safelens.patching import _hf_lean
-from safelens.patching._hf_sites import _decoder_layers
 
 
 def _positions(shape) -> int:
@@ -77,7 +77,7 @@ def acted(monkeypatch):
     shared = _hf_lean._shared_rows
     monkeypatch.setattr(_hf_lean, "_chunked", spying("chunked", _hf_lean._chunked))
     monkeypatch.setattr(_hf_lean, "_last_position", spying("last", _hf_lean._last_position))
-    monkeypatch.setattr(_hf_lean, "_shared_rows", lambda runs: spying("shared", shared(runs)))
+    monkeypatch.setattr(_hf_lean, "_shared_rows", lambda *args: spying("shared", shared(*args)))
     return counts
 
 
@@ -304,7 +304,7 @@ def test_a_projection_shared_with_another_layer_is_not_trimmed(acted):
     assert acted["last", "lean"] > 0 and acted["shared", "lean"] > 0
     # The output projection, the last layer's own, maps the last position alone; the
     # shared query projection maps every position (other layers read them all).
-    lean = _hf_lean.Lean(_decoder_layers(lm, LAYERS)[1])
+    lean = _hf_lean.Lean(decoder_layers(lm, LAYERS)[1])
     assert lean.last == [lm.model.layers[-1].self_attn.o_proj]
     indices = [(layer, pos, 0) for layer in range(LAYERS) for pos in (2, 3, 8)]
     with pytest.MonkeyPatch.context() as patched:
@@ -316,15 +316,23 @@ def test_a_projection_shared_with_another_layer_is_not_trimmed(acted):
 @pytest.fixture
 def lean_calls(monkeypatch):
     """What each module's replacement did in passes of several runs: `_counting`'s counts,
-    keyed by `(module, first layer of the pass, runs)`."""
+    keyed by `(module, the layer where runs enter, their number, the number of runs that
+    entered before)` for the modules of a layer where several enter, and by `(module,
+    first layer of the pass, runs, None)` for the others."""
     calls: Counter = Counter()
     replacements = _hf_lean.Lean.replacements
 
-    def spy(self, first, runs, trim):
-        chosen = replacements(self, first, runs, trim)
-        if runs == 1:  # the shortcuts' checks (`_hf_shortcuts`): nothing shared
+    def spy(self, entries, trim):
+        chosen = replacements(self, entries, trim)
+        if len(entries) == 1:  # the shortcuts' checks (`_hf_shortcuts`): nothing shared
             return chosen
-        return {m: _counting(calls, (m, first, runs), r) for m, r in chosen.items()}
+        keys = {m: (m, entries[0], len(entries), None) for m in chosen}
+        for layer in set(entries):
+            runs, before = entries.count(layer), sum(entry < layer for entry in entries)
+            for m in self.layers[layer].modules():
+                if m in chosen and runs > 1:
+                    keys[m] = (m, layer, runs, before)
+        return {m: _counting(calls, keys[m], r) for m, r in chosen.items()}
 
     monkeypatch.setattr(_hf_lean.Lean, "replacements", spy)
     return calls
@@ -422,22 +430,30 @@ def test_the_first_layers_maps_and_mlp_share_rows_and_the_last_output_projection
         lean_calls.clear()
         sweep = getattr(safelens, LEAN_SWEEPS[activation][0])
         sweep(lm, corrupted, clean_cache, every_position_metric(2), progress=False)
-        passes = {(first, runs) for (_, first, runs), _ in lean_calls}
-        assert {first for first, _ in passes} == set(range(LAYERS)), activation
+        # Staggered passes: runs enter at every layer, several at a time.
+        passes = {key[1:] for key, _ in lean_calls if key[3] is not None}
+        assert {layer for layer, _, _ in passes} == set(range(LAYERS)), activation
         for role, shared in zip(range(3), equal, strict=True):
-            for first, runs in passes:
+            for first, runs, before in passes:
                 for module in roles(first)[role]:
-                    key = (module, first, runs)
+                    key = (module, first, runs, before)
                     rows, mapped = lean_calls[key, "rows"], lean_calls[key, "mapped"]
                     assert rows, (activation, role)
-                    # Equal rows: the first run's alone; else those and the others' that
-                    # differ (every row, where most differ).
+                    # The rows of runs that entered before are mapped as they are; of
+                    # the runs entering here, equal rows: the first run's alone; else
+                    # those and the others' that differ (every row, where most differ).
+                    entering = rows * runs // (runs + before)
                     if shared:
-                        assert mapped * runs == rows and not lean_calls[key, "own"], activation
+                        assert mapped == rows - entering + entering // runs, activation
+                        assert before or not lean_calls[key, "own"], activation
                     else:
-                        assert rows // runs < mapped <= rows, (activation, role, first)
+                        assert rows - entering + entering // runs < mapped <= rows, (
+                            activation,
+                            role,
+                            first,
+                        )
         if activation == "resid_pre":  # before the attention, the patched positions alone
-            maps = [(m, f, r) for f, r in passes for m in roles(f)[0]]
+            maps = [(m, f, r, b) for f, r, b in passes for m in roles(f)[0]]
             assert sum(lean_calls[key, "mapped"] for key in maps) < sum(
                 lean_calls[key, "rows"] for key in maps
             )
@@ -448,6 +464,8 @@ def test_the_first_layers_maps_and_mlp_share_rows_and_the_last_output_projection
     sweep(lm, corrupted, clean_cache, last_only(2), progress=False)
     last = getattr(_layers(lm)[-1], attention)
     below = {key for key, _ in lean_calls if key[1] < LAYERS - 1 and key[0] in set(last.children())}
-    assert {module for module, _, _ in below} == {getattr(last, n) for n in trimmed}
-    assert all(lean_calls[key, "lean"] and not lean_calls[key, "own"] for key in below)
+    assert {key[0] for key in below} == {getattr(last, n) for n in trimmed}
+    # (A pass of the last position alone maps it as it is.)
+    for module in {key[0] for key in below}:
+        assert sum(lean_calls[key, "lean"] for key in below if key[0] is module)
     assert_left_as_found(lm)

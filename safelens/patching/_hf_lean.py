@@ -5,14 +5,16 @@ Three module replacements, on the sweep's thread only
 HuggingFace model (or a bridge's plain model, `safelens.backends.bridge._plain`) takes
 when no hook of the user's is attached anywhere:
 
-- *Shared rows* (`_shared_rows`): in the first layer a pass runs, every run's rows hold
-  the same hidden states until its patch (the corrupted run's residual stream, repeated
-  per run), so each linear map of that layer's attention (`nn.Linear`s such as `q_proj`,
+- *Shared rows* (`_shared_rows`): in the layer a run enters (the first a pass runs, or,
+  in a staggered pass, the layer where it joins), the runs entering there hold the same
+  hidden states until their patches (the corrupted run's residual stream, repeated per
+  run), so each linear map of that layer's attention (`nn.Linear`s such as `q_proj`,
   `k_proj`; GPT-2's `Conv1D`s `c_attn`, `c_proj`) and that layer's MLP (when built of
   maps of one position each, `_position_wise`) map the first run's rows, and of each
   other run only the positions where its rows differ from the first run's, bitwise
   (compared each time); every other position takes the first run's result (where most
-  differ, every row is mapped, as without the replacement). A patch of
+  differ, every row is mapped, as without the replacement); the rows of runs that
+  entered at earlier layers are mapped as they are. A patch of
   `mlp_out` leaves every position equal; a patch of the layer's input (`resid_pre`)
   makes a run's rows differ at its position before the attention, and from there on
   after it; a patch of `k`, `v`, `z` or `attn_out`, from the attention on.
@@ -99,27 +101,33 @@ def _position_wise(module: torch.nn.Module) -> bool:
     )
 
 
-def _shared_rows(runs: int) -> Replacement:
+def _shared_rows(runs: int, before: int = 0) -> Replacement:
     """A map of each position over `runs` runs: the first run's, and the others' that differ.
 
     Every other position of the other runs takes the first run's result there. Where
-    most positions differ, every row is mapped.
+    most positions differ, every row is mapped. In a staggered pass (`before` runs
+    entered at earlier layers, their rows first), those rows are mapped as they are and
+    the `runs` runs entering at this layer share among themselves.
     """
 
     def forward(own: Any, *args: Any, **kwargs: Any) -> Any:
         x = _only_tensor(args, kwargs)
-        if x is None or x.dim() < 2 or x.shape[0] % runs:
+        if x is None or x.dim() < 2 or x.shape[0] % (before + runs):
             return own(*args, **kwargs)
-        seen = x.unflatten(0, (runs, x.shape[0] // runs))
+        rows = x.shape[0] // (before + runs)
+        head, x = x[: before * rows], x[before * rows :]
+        seen = x.unflatten(0, (runs, rows))
         differ = (seen[1:] != seen[0]).any(-1)  # [runs - 1, rows, positions...]
         count = int(differ.sum())
         if 2 * count > differ.numel():  # gathering them would cost more than it saves
-            return own(x)
-        out = own(seen[0])
-        out = out.expand(runs, *out.shape).clone()
-        if count:
-            out[1:][differ] = own(seen[1:][differ].unsqueeze(1)).squeeze(1)
-        return out.flatten(0, 1)
+            out = own(x)
+        else:
+            out = own(seen[0])
+            out = out.expand(runs, *out.shape).clone()
+            if count:
+                out[1:][differ] = own(seen[1:][differ].unsqueeze(1)).squeeze(1)
+            out = out.flatten(0, 1)
+        return torch.cat([own(head), out]) if before else out
 
     return forward
 
@@ -192,17 +200,23 @@ class Lean:
             if isinstance(module, _LINEAR) and id(module) not in elsewhere
         ]
 
-    def replacements(self, first: int, runs: int, trim: bool) -> dict[torch.nn.Module, Replacement]:
-        """The replacements of a pass from layer `first` with `runs` runs (`trim`: last position)."""
+    def replacements(self, entries: list[int], trim: bool) -> dict[torch.nn.Module, Replacement]:
+        """The replacements of a pass whose runs enter at the layers `entries` (in order).
+
+        `trim`: the last layer's projections map the last position alone.
+        """
         chosen: dict[torch.nn.Module, list[Replacement]] = {
-            mlp: [_chunked] for mlp in self.mlps[first:]
+            mlp: [_chunked] for mlp in self.mlps[entries[0] :]
         }
         last = self.last if trim else []
         chosen.update({module: [_last_position] for module in last})
-        if runs > 1:
-            shared = _shared_rows(runs)
-            mlp = self.row_wise[first]
-            maps = _linear_children(_attention(self.layers[first]))
+        for layer in sorted(set(entries)):
+            runs = entries.count(layer)
+            if runs < 2:
+                continue
+            shared = _shared_rows(runs, sum(entry < layer for entry in entries))
+            mlp = self.row_wise[layer]
+            maps = _linear_children(_attention(self.layers[layer]))
             for module in [*maps, *([] if mlp is None else [mlp])]:
                 if module not in last:
                     chosen.setdefault(module, []).append(shared)
