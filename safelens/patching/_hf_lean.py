@@ -14,10 +14,13 @@ when no hook of the user's is attached anywhere:
   other run only the positions where its rows differ from the first run's, bitwise
   (compared each time); every other position takes the first run's result (where most
   differ, every row is mapped, as without the replacement); the rows of runs that
-  entered at earlier layers are mapped as they are. A patch of
-  `mlp_out` leaves every position equal; a patch of the layer's input (`resid_pre`)
-  makes a run's rows differ at its position before the attention, and from there on
-  after it; a patch of `k`, `v`, `z` or `attn_out`, from the attention on.
+  entered at earlier layers are mapped as they are. Which maps share follows the site:
+  a patch of `mlp_out` leaves every input equal, one of `attn_out` the MLP's input
+  different at its own position alone: there the output projection and the MLP share
+  too; a patch of `k`, `v`, `q`, `z` or a pattern changes the head outputs from its
+  position on, so only the attention's input maps share; a patch of the layer's input
+  (`resid_pre`) changes the rows before the first map, so nothing shares (comparing
+  rows that mostly differ costs more than it saves, measured).
 - *Last query* (`_last_position`): for a metric that reads only the last position, the
   last layer's query projection (`q_proj`; none where it is joined to the keys' and
   values', as GPT-2's `c_attn`) and output projection
@@ -173,11 +176,24 @@ def _chunked(own: Any, *args: Any, **kwargs: Any) -> Any:
     return torch.cat(pieces)
 
 
+# Activations patched after the attention's head outputs.
+_AFTER_HEADS = frozenset({"attn_out", "resid_mid", "mlp_out", "resid_post"})
+
+
 class Lean:
     """Which of the replacements (module notes) a model's passes can take."""
 
-    def __init__(self, layers: Iterable[torch.nn.Module]) -> None:
+    def __init__(self, layers: Iterable[torch.nn.Module], activation: str | None = None) -> None:
         self.layers = list(layers)
+        # Where the runs entering a layer can hold equal rows: a patch of `activation`
+        # leaves the output projection's and the MLP's inputs equal, or different at its
+        # own position alone, only when it sits after the head outputs (`_AFTER_HEADS`);
+        # before them they differ from the patch on, and comparing them costs more than
+        # the few equal positions save (a sixth of a resid_pre grid, measured).
+        self.after_heads = activation in _AFTER_HEADS
+        # A patch of a layer's input makes the rows of the runs entering it differ
+        # before its first map: nothing there to share.
+        self.shares = activation != "resid_pre"
         mlps = [getattr(layer, "mlp", None) for layer in self.layers]
         # Each layer's MLP if it maps each position (so each row) on its own, else `None`.
         self.row_wise: list[torch.nn.Module | None] = [
@@ -212,11 +228,14 @@ class Lean:
         chosen.update({module: [_last_position] for module in last})
         for layer in sorted(set(entries)):
             runs = entries.count(layer)
-            if runs < 2:
+            if runs < 2 or not self.shares:
                 continue
             shared = _shared_rows(runs, sum(entry < layer for entry in entries))
-            mlp = self.row_wise[layer]
+            mlp = self.row_wise[layer] if self.after_heads else None
             maps = _linear_children(_attention(self.layers[layer]))
+            if not self.after_heads:
+                output = _output_projection(self.layers[layer], layer)
+                maps = [module for module in maps if module is not output]
             for module in [*maps, *([] if mlp is None else [mlp])]:
                 if module not in last:
                     chosen.setdefault(module, []).append(shared)

@@ -239,7 +239,7 @@ class Shortcuts:
         trim_mlp = activation in _BEFORE_MLP and has_mlp
         # A plain HuggingFace model's own modules (not a bridge's, with hook points inside).
         plain = partial and backend.family == "hf"
-        lean = Lean(layers) if plain else None
+        lean = Lean(layers, activation) if plain else None
         stagger = skips and partial
         # A site after the keys and values leaves most of the layer a run enters equal
         # across runs, which the pass replacements share when each pass starts there;
