@@ -25,8 +25,8 @@ from transformer_lens import patching
 
 import safelens
 from safelens import PatchingError, run_with_patching_cache
+from safelens.backends.hf._seams import ATTENTION_MODULES
 from safelens.patching import _hf_passes
-from safelens.patching._hf_sites import ATTENTION_MODULES
 
 TOL = 1e-4
 ANSWER, WRONG = 3, 5

@@ -42,6 +42,7 @@ import torch
 from jaxtyping import Float, Int
 
 from ..backends._backend import backend_of
+from ..backends._sites import Site
 from ..backends._supported import SupportedModel
 from ..core._arguments import positive_int
 from ..core._errors import PatchingError
@@ -50,7 +51,7 @@ from ._attribution_pass import Reads, corrupted_pass
 from ._attribution_plan import FIXED, HEAD_SITES, Activation, Plan, plan
 from ._clean_cache import CLEAN_CACHE_OF, axes_of, backend_sizes, check_clean_cache, shape_error
 from ._generic import generic_activation_patch
-from ._hf_sites import Site, _tokens, clean_activation
+from ._hf_sites import _tokens, clean_activation
 from ._hf_sweeps import Run, run_sweep
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
 from ._metric import Metric, check_metric

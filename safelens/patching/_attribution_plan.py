@@ -24,10 +24,10 @@ from typing import Any, Literal
 import torch
 
 from ..backends._backend import Backend, backend_of
+from ..backends._sites import Site
 from ..core._arguments import flag
 from ..core._errors import PatchingError
 from ._attribution_pass import Read
-from ._hf_sites import Site
 from ._hf_sweeps import _check_no_dropout
 from ._pattern_hook import check_pattern_hook
 

@@ -42,10 +42,11 @@ import torch
 from jaxtyping import Float, Int
 
 from ..backends._backend import backend_of
+from ..backends._sites import TL_NAMES
 from ..backends._supported import SupportedModel
 from ..core._errors import PatchingError
 from ._clean_cache import CLEAN_CACHE_OF, backend_sizes, check_clean_cache, hooked_sizes
-from ._hf_sites import TL_NAMES, _tokens, clean_activation
+from ._hf_sites import _tokens, clean_activation
 from ._hf_sweeps import is_seam_model
 from ._pattern_hook import check_pattern_hook
 from ._patterns import (

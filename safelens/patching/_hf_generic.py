@@ -31,9 +31,10 @@ import pandas as pd
 import torch
 
 from ..backends._backend import Backend, backend_of
+from ..backends._sites import TL_NAMES, Site
 from ..core._errors import PatchingError
 from ._clean_cache import CLEAN_CACHE_OF, axes_of, backend_sizes, check_clean_cache, shape_error
-from ._hf_sites import TL_NAMES, Site, _tokens, clean_activation
+from ._hf_sites import _tokens, clean_activation
 from ._hf_sweeps import Editor, Run, run_sweep
 from ._index import check_index_choice, check_setter_result, index_grid
 from ._limits import _check_limits

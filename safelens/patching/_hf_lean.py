@@ -55,9 +55,8 @@ import torch
 from transformers.pytorch_utils import Conv1D
 
 from ..backends.hf._override import Replacement
-from ..backends.hf._seams import output_projection
+from ..backends.hf._seams import ATTENTION_MODULES, child_named, output_projection
 from ..core._errors import PatchingError
-from ._hf_sites import ATTENTION_MODULES, child_named
 
 __all__ = ["Lean"]
 

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from ..backends._backend import Backend
+from ..backends._sites import Site
 from ._hf_shortcuts import Shortcuts
-from ._hf_sites import Site, put, site_edits
+from ._hf_sites import put, site_edits
 from ._skips import AFTER_KEYS, activations
 
 __all__ = ["Editor", "Pass", "Run", "passes"]

@@ -24,18 +24,13 @@ import torch
 
 from ..backends._backend import Backend, NamesFilter, backend_of
 from ..backends._sites import PATTERNS, TL_NAMES, Site
-from ..backends.hf._seams import ATTENTION_MODULES, SEAMS, Edit, child_named, seam_edits
+from ..backends.hf._seams import Edit, seam_edits
 from ..backends.hf._sites import decoder_layers, layer_device
 from ..core._errors import PatchingError
 from ..core._tokens import check_tokens
 from ._clean_cache import CLEAN_CACHE_OF, shape_error
 
 __all__ = [
-    "ATTENTION_MODULES",
-    "SEAMS",
-    "TL_NAMES",
-    "Site",
-    "child_named",
     "clean_activation",
     "put",
     "run_with_patching_cache",
@@ -47,7 +42,7 @@ __all__ = [
 def site_edits(backend: Backend, edits: Mapping[str, Mapping[int, Edit]]) -> Iterator[None]:
     """Within the block, `edits[activation][layer]` sees (and may edit) that seam's tensor.
 
-    For a HuggingFace model's `SEAMS`, in the hook layout of its `Site` (`Backend.patch_site`)
+    For a HuggingFace model's seams (`safelens.backends.hf._seams.SEAMS`), in the hook layout of its `Site` (`Backend.patch_site`)
     ([`seam_edits`][safelens.backends.hf._seams.seam_edits]).
     """
     if not any(edits.values()):

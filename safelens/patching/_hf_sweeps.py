@@ -44,16 +44,13 @@ import torch
 from tqdm import tqdm
 
 from ..backends._backend import Backend, backend_of
+from ..backends._sites import Site
 from ..core._errors import PatchingError
 from ..core._thread_hooks import hooked_anywhere
 from ._clean_cache import CLEAN_CACHE_OF, backend_sizes, check_clean_cache
 from ._hf_passes import Editor, Pass, Run, passes
 from ._hf_shortcuts import Shortcuts, captured, tolerance
-from ._hf_sites import (
-    Site,
-    _tokens,
-    clean_activation,
-)
+from ._hf_sites import _tokens, clean_activation
 from ._limits import _check_limits
 from ._metric import Metric, _Metric
 from ._unchanged import idle_runs, seeing

@@ -48,9 +48,9 @@ import pandas as pd
 import torch
 from jaxtyping import Int
 
+from ..backends._sites import TL_NAMES
 from ..backends._supported import SupportedModel
 from ._generic import AxisName, PatchSetter, generic_activation_patch
-from ._hf_sites import TL_NAMES
 from ._hf_sweeps import is_seam_model, seam_patch
 from ._hooked_sweeps import hooked_patch
 from ._limits import DEFAULT_MAX_BYTES

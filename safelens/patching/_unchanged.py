@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from ..backends._backend import Backend
-from ._hf_sites import Site, site_edits
+from ..backends._sites import Site
+from ._hf_sites import site_edits
 from ._setters import SETTER_AXES
 
 __all__ = ["idle_runs", "known_setter_axes", "marked", "seeing", "unchanged"]
