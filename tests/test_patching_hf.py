@@ -171,12 +171,12 @@ def test_bridge_sweep_batches_patches_and_leaves_no_hooks(monkeypatch):
     finally:
         del lm.forward
     # 2 layers * 6 positions * 2 heads = 24 patches: one corrupted pass through the bridge
-    # (then again on its plain HuggingFace model, which runs the rest), two passes that
-    # check the layer-skipping shortcut, two that check staggered passes, and one pass
-    # for every patch (each run entering at its layer; on a model this small one pass
-    # covers every position), not one per patch.
+    # (then again on its plain HuggingFace model, which runs the rest), three passes that
+    # check the layer-skipping and staggered shortcuts, and one pass for every patch
+    # (each run entering at its layer; on a model this small one pass covers every
+    # position), not one per patch.
     assert len(passes) == 1
-    assert patched == ["hf"] * 5
+    assert patched == ["hf"] * 4
     assert all(not point._forward_hooks for point in lm.hook_dict.values())
 
 

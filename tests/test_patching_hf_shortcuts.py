@@ -467,7 +467,7 @@ MORE_FAMILIES = {
         lambda: transformers.FalconConfig(
             hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4, alibi=True
         ),
-        None,
+        False,
     ),
 }
 
@@ -484,7 +484,7 @@ def test_staggered_passes_on_more_families_equal_the_sweep_without_shortcuts(
     for sweep in (safelens.get_act_patch_resid_pre, safelens.get_act_patch_attn_out):
         got = sweep(lm, corrupted, clean_cache, last_only(2), progress=False)
         assert taken[-1].skips
-        if staggers is not None and sweep is safelens.get_act_patch_resid_pre:
+        if sweep is safelens.get_act_patch_resid_pre:
             assert taken[-1].stagger == staggers
         exact = without_shortcuts(monkeypatch, sweep, lm, corrupted, clean_cache, last_only(2))
         assert (got - exact).abs().max() <= TOL, (name, sweep.__name__)

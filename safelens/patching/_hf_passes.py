@@ -27,8 +27,11 @@ _SPANS = (1, 2, 4, 8, 16)
 # Activations computed after a layer's keys and values: a patch changes its own position.
 _OWN_POSITION = activations(AFTER_KEYS)
 # What one pass costs beyond its arithmetic, in multiply-adds: once, and per layer run (a
-# CPU estimate; it only sets how runs are grouped into passes).
-_OVERHEAD = {"bridge": (1.5e8, 6e7), "hf": (6e7, 2e7)}
+# CPU estimate; it only sets how runs are grouped into passes). For a plain model, fitted
+# on 32-token grids of 4-layer Llama- and GPT-2-like models (a pass of many rows also
+# copies the prefix cache per row and reads it in every layer); smaller values cut the
+# runs into more passes and made those grids a tenth to a sixth slower.
+_OVERHEAD = {"bridge": (1.5e8, 6e7), "hf": (1.5e8, 5e7)}
 # (slot in the result, layer, position or None, head or None, source position or None)
 Run = tuple[int, int, "int | None", "int | None", "int | None"]
 

@@ -16,9 +16,9 @@ model (or a bridge) takes it, on the sweep's thread only:
 
 All are checked once per sweep, on the model itself: the unpatched corrupted tokens run
 with the shortcuts from the last layer (from the first and from the middle position)
-and from every other layer (the last position alone), and, staggered, with a run
-entering at each layer (from the middle position, and from layer 1 at the last
-position), and must give the corrupted run's logits (within 1e-4 of the largest logit
+and from every other layer (the last position alone), or, staggered, from the last
+layer over every position and with a run entering at each layer from layer 1 on (from
+the middle and from the last position), and must give the corrupted run's logits (within 1e-4 of the largest logit
 in float32, 3e-2 in half precision). A family
 where a shortcut does not hold (one that carries state from layer to layer beside the
 residual stream, an MLP whose output is not added to the residual stream) fails the
@@ -283,19 +283,25 @@ def _holds(check: Check, shortcuts: Shortcuts) -> bool:
 
     Skipping: from the last layer over every position and from the middle one, and from
     every other layer at the last position (a family that carries state from layer to
-    layer beside the residual stream fails there). Staggered: a run entering at each
-    layer, from the middle position, and from layer 1 on at the last position.
+    layer beside the residual stream fails there). Staggered: from the last layer over
+    every position, and a run entering at each layer from layer 1 on (the pass skips to
+    layer 1, the others join it), from the middle position (from layer 0 on in a model
+    of two layers) and from the last.
     """
     length = shortcuts.residuals[0].shape[1]
     n_layers = len(shortcuts.residuals)
     last = n_layers - 1 if shortcuts.skips else 0
-    if shortcuts.partial:
+    if shortcuts.stagger:
+        # A staggered check also skips to layer 1 (a model of two layers: one of them
+        # joins at layer 1 instead): three passes cover what five checks of skipping
+        # alone and two of joining did (a check's cost is mostly its pass's fixed cost).
+        joined = list(range(min(1, n_layers - 2), n_layers))
+        checks = [([last], 0), (joined, length // 2), (list(range(1, n_layers)), length - 1)]
+    elif shortcuts.partial:
         checks = [([last], 0), ([last], length // 2)]
         checks += [([first], length - 1) for first in range(1, last)]
     else:
         checks = [([first], 0) for first in range(last, 0, -1)] or [([0], 0)]
-    if shortcuts.stagger:
-        checks += [(list(range(n_layers)), length // 2), (list(range(1, n_layers)), length - 1)]
     try:
         return all(check(shortcuts, entries, start) for entries, start in checks)
     except Exception as error:
