@@ -32,6 +32,8 @@ from safelens import PatchingError, SafelensError, run_with_patching_cache
 from safelens.backends._backend import backend_of
 from safelens.backends.bridge import _cache_pass
 from safelens.backends.hf import _override, _skip
+from safelens.patching import _hf_passes
+from safelens.patching._limits import rows_within
 
 TOL = 1e-5
 
@@ -605,6 +607,43 @@ def test_tiny_budgets_and_a_progress_bar_give_the_same_numbers(family, capsys):
         )
     assert torch.equal(sweep(lm, corrupted, clean_cache, metric, progress=True), plain)
     assert "patching" in capsys.readouterr().err
+
+
+def test_a_memory_budget_caps_the_runs_of_each_pass(monkeypatch):
+    lm = model("llama")
+    clean, corrupted = pair(7)
+    clean_cache = clean_cache_of(lm, clean)
+    sweep = safelens.get_act_patch_resid_pre
+    plain = sweep(lm, corrupted, clean_cache, metric, progress=False)
+    config = lm.config
+
+    def rows(budget, new):  # the one estimate every sweep takes
+        return rows_within(
+            budget,
+            d_vocab=config.vocab_size,
+            d_model=config.hidden_size,
+            d_mlp=config.intermediate_size,
+            n_heads=config.num_attention_heads,
+            new=new,
+            length=7,
+            dtype=torch.float32,
+        )
+
+    budget = 3 * (2**40 // rows(2**40, 7))  # three rows of a pass over every position
+    assert rows(budget, 7) == 3
+    passes = []
+    logits = _hf_passes.Pass.logits
+
+    def counted(self, shortcuts, chunk, first, start, *args, **kwargs):
+        if chunk:
+            passes.append((start, len(chunk)))
+        return logits(self, shortcuts, chunk, first, start, *args, **kwargs)
+
+    monkeypatch.setattr(_hf_passes.Pass, "logits", counted)
+    capped = sweep(lm, corrupted, clean_cache, metric, max_bytes=budget, progress=False)
+    assert torch.allclose(capped, plain, atol=1e-5)
+    assert all(runs <= rows(budget, 7 - start) for start, runs in passes)
+    assert sum(runs for _, runs in passes) > max(runs for _, runs in passes)
 
 
 # -- threads ----------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from transformer_lens.utilities import get_attention_mask
 from ..backends.hooked._shared_attention import shared_prefix_attention
 from ..core._cache import KeyValueCache
 from ..core._thread_hooks import Hook, thread_hooks
+from ._limits import rows_within
 from ._metric import Metric, _Metric
 from ._plan import Plan
 
@@ -119,13 +120,6 @@ class Run:
     index: tuple[int, ...]
 
 
-def _rows_per_run_limit(model: HookedTransformer, length: int, max_bytes: int) -> int:
-    cfg = model.cfg
-    width = 2 * cfg.d_vocab + 8 * cfg.d_model + 2 * (cfg.d_mlp or 0) + 3 * cfg.n_heads * length
-    itemsize = torch.empty((), dtype=cfg.dtype).element_size()
-    return max(1, max_bytes // (length * width * itemsize))
-
-
 def sweep(
     model: HookedTransformer,
     corrupted: CorruptedRun,
@@ -148,7 +142,12 @@ def sweep(
     the corrupted run's metric, without a pass.
     """
     batch, length = corrupted.logits.shape[:2]
-    limit = _rows_per_run_limit(model, length, max_bytes) // batch
+    cfg = model.cfg
+    sizes = dict(d_vocab=cfg.d_vocab, d_model=cfg.d_model, d_mlp=cfg.d_mlp or 0)
+    rows = rows_within(
+        max_bytes, **sizes, n_heads=cfg.n_heads, new=length, length=length, dtype=cfg.dtype
+    )
+    limit = rows // batch
     runs_per_chunk = max(1, min(limit, max_batch) if max_batch else limit)
     scored = _Metric(metric, batch)
     last = model.cfg.n_layers - 1

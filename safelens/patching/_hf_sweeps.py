@@ -51,7 +51,7 @@ from ._clean_cache import CLEAN_CACHE_OF, backend_sizes, check_clean_cache
 from ._hf_passes import Editor, Pass, Run, passes
 from ._hf_shortcuts import Shortcuts, captured, tolerance
 from ._hf_sites import _tokens, clean_activation
-from ._limits import _check_limits
+from ._limits import _check_limits, rows_within
 from ._metric import Metric, _Metric
 from ._unchanged import idle_runs, seeing
 
@@ -69,13 +69,15 @@ def is_seam_model(model: Any) -> bool:
     )
 
 
-def _rows_limit(backend: Backend, heads: int, new: int, length: int, max_bytes: int) -> int:
-    """Rows one pass of `new` positions may hold within `max_bytes` (an estimate)."""
+def _rows_limit(backend: Backend, new: int, length: int, max_bytes: int) -> int:
+    """Rows one pass of `new` positions may hold within `max_bytes` (`rows_within`)."""
     config = backend.config  # type: ignore[attr-defined]
     d_mlp = getattr(config, "intermediate_size", None) or 4 * backend.d_model
-    width = 2 * backend.d_vocab + 8 * backend.d_model + 2 * d_mlp + 3 * heads * length
-    itemsize = torch.empty((), dtype=backend.dtype).element_size()
-    return max(1, max_bytes // (new * width * itemsize))
+    n_heads = getattr(config, "num_attention_heads", None) or backend.d_model // backend.d_head
+    sizes = dict(d_vocab=backend.d_vocab, d_model=backend.d_model, d_mlp=d_mlp)
+    return rows_within(
+        max_bytes, **sizes, n_heads=n_heads, new=new, length=length, dtype=backend.dtype
+    )
 
 
 def seam_patch(
@@ -185,7 +187,7 @@ def run_sweep(
             bar.update(len(idle))
             planned = passes(backend, site, shortcuts, runs, length, batch, editor is None)
             for first, start, group in planned:
-                rows = _rows_limit(backend, site.heads or 1, length - start, length, max_bytes)
+                rows = _rows_limit(backend, length - start, length, max_bytes)
                 per_pass = max(1, rows // batch)
                 per_pass = min(per_pass, max_batch) if max_batch else per_pass
                 for at in range(0, len(group), per_pass):

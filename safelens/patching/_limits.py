@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..core._arguments import flag, positive_int
 from ..core._errors import PatchingError
 
-__all__ = ["DEFAULT_MAX_BYTES"]
+__all__ = ["DEFAULT_MAX_BYTES", "rows_within"]
 
 DEFAULT_MAX_BYTES = 2**30
 
@@ -41,3 +43,25 @@ def _check_limits(max_batch: Any, max_bytes: Any, progress: Any) -> None:
             shown=_with_type,
         )
     flag(progress, "progress", error=PatchingError, shown=repr)
+
+
+def rows_within(
+    max_bytes: int,
+    *,
+    d_vocab: int,
+    d_model: int,
+    d_mlp: int,
+    n_heads: int,
+    new: int,
+    length: int,
+    dtype: torch.dtype,
+) -> int:
+    """Rows of `new` positions one pass may hold within `max_bytes` (an estimate, at least 1).
+
+    Per position of a row: the logits (twice), a few residual-width tensors, the MLP's
+    hidden layer (twice), and the attention scores, patterns and masks of `n_heads`
+    query heads over `length` key positions.
+    """
+    width = 2 * d_vocab + 8 * d_model + 2 * d_mlp + 3 * n_heads * length
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return max(1, max_bytes // (new * width * itemsize))
