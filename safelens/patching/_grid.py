@@ -1,9 +1,11 @@
 """The engine behind the patching sweeps: many patched runs per forward pass.
 
 A patch at layer `l`, position `p` of a causal model changes nothing before layer `l`
-and nothing before position `p`. So the patched runs of a sweep are grouped by `p`;
-each group shares one frozen [`KeyValueCache`][safelens.KeyValueCache] of the corrupted
-run cropped to its first `p` positions, and runs only positions `p:` through the model.
+and nothing before position `p`. So the patched runs of a sweep are grouped by `p`,
+rounded down to a multiple of a span (`safelens.patching._grouping`, as on every
+family); each group shares one frozen [`KeyValueCache`][safelens.KeyValueCache] of the
+corrupted run cropped to that position, and runs only the positions from it through
+the model.
 Within a group, runs enter the model at their own layer: the batch starts at the lowest
 patched layer from the corrupted run's residual stream, and the runs patched at each
 later layer join the batch there (a staggered forward). The logits of positions `< p`
@@ -39,6 +41,7 @@ from transformer_lens.utilities import get_attention_mask
 from ..backends.hooked._shared_attention import shared_prefix_attention
 from ..core._cache import KeyValueCache
 from ..core._thread_hooks import Hook, thread_hooks
+from ._grouping import groups
 from ._limits import rows_within
 from ._metric import Metric, _Metric
 from ._plan import Plan
@@ -154,10 +157,8 @@ def sweep(
     plan = Plan.of(model, hook_name(last).removeprefix(f"blocks.{last}."), single_position, metric)
     patch = _Patch(hook_name, patcher)
     flat = out.view(-1)
-    by_pos: dict[int, list[Run]] = {}
-    for run in runs:
-        start = run.pos - run.pos % _SPAN if plan.reuses_positions else 0
-        by_pos.setdefault(start, []).append(run)
+    span = _SPAN if plan.reuses_positions else length
+    starts = groups(runs, (span,), _position, _layer)
     with (
         torch.no_grad(),
         shared_prefix_attention(model),
@@ -168,8 +169,7 @@ def sweep(
             slots = torch.tensor([run.slot for run in idle], device=out.device)
             flat[slots] = scored(logits.detach(), 1).to(out.device, out.dtype)
         bar.update(len(idle or ()))
-        for pos, group in sorted(by_pos.items()):
-            group.sort(key=lambda run: run.layer)
+        for pos, group in starts:
             for start in range(0, len(group), runs_per_chunk):
                 chunk = group[start : start + runs_per_chunk]
                 logits = _forward_chunk(model, corrupted, pos, chunk, patch, plan)
@@ -320,6 +320,14 @@ def _single_position_logits(
     logits = corrupted.logits.repeat(runs, 1, 1)
     logits[:, pos:end] = model(alone, start_at_layer=model.cfg.n_layers)
     return logits
+
+
+def _position(run: Run) -> int:
+    return run.pos
+
+
+def _layer(run: Run) -> int:
+    return run.layer
 
 
 def _rows_of(prefix: KeyValueCache, runs: int, batch: int) -> KeyValueCache:

@@ -16,6 +16,7 @@ import torch
 
 from ..backends._backend import Backend
 from ..backends._sites import Site
+from ._grouping import groups
 from ._hf_shortcuts import Shortcuts
 from ._hf_sites import put, site_edits
 from ._skips import AFTER_KEYS, activations
@@ -52,7 +53,7 @@ def passes(
     """The sweep's passes `(first layer, first position, runs)`, cheapest by a cost model.
 
     Runs start at the layer of their patch (when the shortcut holds) and at their
-    position rounded down to a multiple of a span. A pass holds the runs of one layer,
+    position rounded down to a multiple of a span (`safelens.patching._grouping`). A pass holds the runs of one layer,
     or, staggered (`Shortcuts.stagger`), of every layer, each entering at its own
     (runs in layer order). The span minimises the estimated cost: `_OVERHEAD[family]`
     per pass and per layer it runs (in multiply-adds), plus the multiply-adds of every
@@ -91,25 +92,19 @@ def passes(
         by_layer.setdefault(0 if shortcuts.stagger else shortcuts.first_layer(run[1]), []).append(
             run
         )
+    spans = _SPANS if shortcuts.partial else (length,)
     for group in by_layer.values():
-        group.sort(key=lambda run: run[1])
-        costs = {
-            span: sum(cost(start, chunk) for start, chunk in _grouped(group, span).items())
-            for span in (_SPANS if shortcuts.partial else (length,))
-        }
-        span = min(costs, key=costs.__getitem__)
-        for start, chunk in sorted(_grouped(group, span).items()):
+        for start, chunk in groups(group, spans, _position, _layer, cost):
             passes.append((shortcuts.first_layer(chunk[0][1]), start, chunk))
     return sorted(passes, key=lambda item: item[:2]) if shortcuts.stagger else passes
 
 
-def _grouped(runs: list[Run], span: int) -> dict[int, list[Run]]:
-    """`runs` by the position their pass starts at: theirs, rounded down to a multiple of `span`."""
-    starts: dict[int, list[Run]] = {}
-    for run in runs:
-        start = run[2] - run[2] % span if run[2] is not None else 0
-        starts.setdefault(start, []).append(run)
-    return starts
+def _position(run: Run) -> int | None:
+    return run[2]
+
+
+def _layer(run: Run) -> int:
+    return run[1]
 
 
 class Pass:

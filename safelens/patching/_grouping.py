@@ -1,0 +1,65 @@
+"""How every sweep groups its patched runs into passes: by the position a pass starts at.
+
+A patch at position `p` of a causal model changes nothing before `p`, so a pass that
+starts at a position `s <= p`, on the corrupted run's frozen cache cropped to `s`, gives
+the run's numbers. Runs patched at nearby positions share one pass: the one that starts
+at their position rounded down to a multiple of a *span*. That means fewer, larger
+passes, at the price of the positions `s … p - 1` each run recomputes.
+
+Each family's runner chooses the spans:
+- the `HookedTransformer` runner (`safelens.patching._grid`) uses a fixed one;
+- the HuggingFace and bridge runner (`safelens.patching._hf_passes`) takes the cheapest
+  of several by its cost model;
+- where positions cannot be reused, the span is the prompt's length, so every pass
+  starts at 0.
+
+A group's runs are in layer order, as a staggered pass stacks them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+
+__all__ = ["groups"]
+
+R = TypeVar("R")
+
+
+def _by_start(
+    runs: Iterable[R], span: int, position: Callable[[R], int | None]
+) -> dict[int, list[R]]:
+    """`runs` by the position their pass starts at: theirs rounded down to a multiple of `span`.
+
+    A run without a position (one that patches every position) starts at 0.
+    """
+    starts: dict[int, list[R]] = {}
+    for run in runs:
+        pos = position(run)
+        starts.setdefault(0 if pos is None else pos - pos % span, []).append(run)
+    return starts
+
+
+def groups(
+    runs: Sequence[R],
+    spans: Sequence[int],
+    position: Callable[[R], int | None],
+    layer: Callable[[R], int],
+    cost: Callable[[int, list[R]], float] | None = None,
+) -> list[tuple[int, list[R]]]:
+    """`(start, runs in layer order)` for each pass start, in order of start (module notes).
+
+    The span is the one of `spans` whose groups cost least by `cost(start, runs)`; the
+    first of `spans` without `cost`. Runs of one layer keep their order in `runs`.
+    """
+    span = spans[0]
+    if cost is not None and len(spans) > 1:
+        totals = {
+            each: sum(
+                cost(start, chunk) for start, chunk in _by_start(runs, each, position).items()
+            )
+            for each in spans
+        }
+        span = min(totals, key=totals.__getitem__)
+    grouped = _by_start(runs, span, position)
+    return [(start, sorted(grouped[start], key=layer)) for start in sorted(grouped)]
