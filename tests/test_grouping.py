@@ -8,7 +8,13 @@ from __future__ import annotations
 import itertools
 import random
 
-from safelens.patching._grouping import groups
+import pytest
+import torch
+from hf_models import ids
+from hf_models import model as hf_model
+
+from safelens.backends._backend import backend_of
+from safelens.patching._grouping import groups, run_rows
 
 
 def position(run):
@@ -55,3 +61,36 @@ def test_the_span_is_the_cheapest_by_the_cost_and_the_first_without_one():
     assert [start for start, _ in groups(runs, (1, 2, 4, 8), position, layer, per_pass)] == [0, 4]
     assert len(groups(runs, (8, 1, 2), position, layer, per_position)) == 8
     assert len(groups(runs, (2, 1), position, layer)) == 4
+
+
+def _family_model(family):
+    if family == "hf":
+        return hf_model("llama")
+    from models import make_model
+
+    return make_model()
+
+
+@pytest.mark.parametrize(
+    "family", [pytest.param("hooked", marks=pytest.mark.hooked_transformer), "hf"]
+)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_run_rows_hands_each_run_the_frozen_prefix(family, batch):
+    """Every run's rows continue the prefix as the prefix itself does; the prefix keeps its length."""
+    backend = backend_of(_family_model(family))
+    tokens = ids(batch, 6)
+    mask = torch.ones_like(tokens)
+    with torch.no_grad():
+        prefix = backend.empty_cache(batch)
+        backend.forward(tokens[:, :5], mask[:, :5], prefix)
+        prefix.freeze()
+        alone = backend.forward(tokens[:, 5:], mask, prefix)
+        rows = run_rows(prefix, 3, batch)
+        got = backend.forward(tokens[:, 5:].repeat(3, 1), mask.repeat(3, 1), rows)
+    assert got.shape[0] == 3 * batch
+    assert torch.allclose(got, alone.repeat(3, 1, 1), atol=1e-5)
+    ops = backend.caches
+    assert ops.is_frozen(rows) and ops.batch_size(rows) == 3 * batch
+    assert ops.length(prefix) == ops.length(rows) == 5
+    for got_kv, prefix_kv in zip(ops.layer(rows, 1), ops.layer(prefix, 1), strict=True):
+        assert torch.equal(got_kv, prefix_kv.repeat(3, *(1,) * (prefix_kv.dim() - 1)))

@@ -41,7 +41,7 @@ from transformer_lens.utilities import get_attention_mask
 from ..backends.hooked._shared_attention import shared_prefix_attention
 from ..core._cache import KeyValueCache
 from ..core._thread_hooks import Hook, thread_hooks
-from ._grouping import groups
+from ._grouping import groups, run_rows
 from ._limits import rows_within
 from ._metric import Metric, _Metric
 from ._plan import Plan
@@ -275,7 +275,7 @@ class _Layers:
                 residual,
                 start_at_layer=layer,
                 stop_at_layer=layer + 1,
-                past_kv_cache=_rows_of(self.prefix, copies, batch),
+                past_kv_cache=run_rows(self.prefix, copies, batch),
                 attention_mask=mask,
             )
 
@@ -328,13 +328,3 @@ def _position(run: Run) -> int:
 
 def _layer(run: Run) -> int:
     return run.layer
-
-
-def _rows_of(prefix: KeyValueCache, runs: int, batch: int) -> KeyValueCache:
-    """`prefix` repeated for `runs` runs (run-major rows), frozen: nothing is stored."""
-    if batch == 1:
-        rows = prefix.expand(runs)
-    else:
-        rows = prefix.select(torch.arange(batch).repeat(runs))
-    rows.freeze()
-    return rows

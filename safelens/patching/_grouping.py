@@ -13,17 +13,22 @@ Each family's runner chooses the spans:
 - where positions cannot be reused, the span is the prompt's length, so every pass
   starts at 0.
 
-A group's runs are in layer order, as a staggered pass stacks them.
+A group's runs are in layer order, as a staggered pass stacks them. Each pass reads
+the corrupted run's frozen cache cropped to its start, its rows repeated once per run
+(`run_rows`), frozen: no pass stores into it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
-__all__ = ["groups"]
+import torch
+
+__all__ = ["groups", "run_rows"]
 
 R = TypeVar("R")
+C = TypeVar("C", bound=Any)
 
 
 def _by_start(
@@ -63,3 +68,14 @@ def groups(
         span = min(totals, key=totals.__getitem__)
     grouped = _by_start(runs, span, position)
     return [(start, sorted(grouped[start], key=layer)) for start in sorted(grouped)]
+
+
+def run_rows(prefix: C, runs: int, batch: int) -> C:
+    """`prefix` (a cache of `batch` rows) repeated for `runs` runs, run-major, and frozen.
+
+    A view of `prefix` where the batch is one row (`expand`); a copy of its rows
+    otherwise (`select`).
+    """
+    rows = prefix.expand(runs) if batch == 1 else prefix.select(torch.arange(batch).repeat(runs))
+    rows.freeze()
+    return rows

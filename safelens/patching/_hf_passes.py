@@ -16,7 +16,7 @@ import torch
 
 from ..backends._backend import Backend
 from ..backends._sites import Site
-from ._grouping import groups
+from ._grouping import groups, run_rows
 from ._hf_shortcuts import Shortcuts
 from ._hf_sites import put, site_edits
 from ._skips import AFTER_KEYS, activations
@@ -151,11 +151,9 @@ class Pass:
                     for layer in range(backend.n_layers)
                 ]
                 prefix = prefix._repeated(counts, batch)
-            elif batch == 1:
-                prefix = prefix.expand(runs)
+                prefix.freeze()
             else:
-                prefix = prefix.select(torch.arange(batch).repeat(runs))
-            prefix.freeze()
+                prefix = run_rows(prefix, runs, batch)
         else:
             prefix = backend.empty_cache(batch * runs)
         edits: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
