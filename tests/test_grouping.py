@@ -14,7 +14,7 @@ from hf_models import ids
 from hf_models import model as hf_model
 
 from safelens.backends._backend import backend_of
-from safelens.patching._grouping import groups, run_rows
+from safelens.patching._grouping import groups, run_rows, with_positions_before
 
 
 def position(run):
@@ -94,3 +94,13 @@ def test_run_rows_hands_each_run_the_frozen_prefix(family, batch):
     assert ops.length(prefix) == ops.length(rows) == 5
     for got_kv, prefix_kv in zip(ops.layer(rows, 1), ops.layer(prefix, 1), strict=True):
         assert torch.equal(got_kv, prefix_kv.repeat(3, *(1,) * (prefix_kv.dim() - 1)))
+
+
+def test_positions_before_the_start_are_the_corrupted_runs():
+    corrupted = torch.randn(2, 5, 7)
+    logits = torch.randn(3 * 2, 3, 7)  # three runs of two rows, positions 2:
+    got = with_positions_before(logits, corrupted, 2)
+    assert got.shape == (6, 5, 7)
+    assert torch.equal(got[:, :2], corrupted[:, :2].repeat(3, 1, 1))
+    assert torch.equal(got[:, 2:], logits)
+    assert with_positions_before(logits, corrupted, 0) is logits

@@ -41,7 +41,7 @@ from transformer_lens.utilities import get_attention_mask
 from ..backends.hooked._shared_attention import shared_prefix_attention
 from ..core._cache import KeyValueCache
 from ..core._thread_hooks import Hook, thread_hooks
-from ._grouping import groups, run_rows
+from ._grouping import groups, run_rows, with_positions_before
 from ._limits import rows_within
 from ._metric import Metric, _Metric
 from ._plan import Plan
@@ -293,10 +293,7 @@ def _logits(
     logits = model(residual, start_at_layer=model.cfg.n_layers)
     if plan.last_only:
         return logits[:, -1:]
-    if pos:
-        runs = logits.shape[0] // corrupted.logits.shape[0]
-        logits = torch.cat([corrupted.logits[:, :pos].repeat(runs, 1, 1), logits], dim=1)
-    return logits
+    return with_positions_before(logits, corrupted.logits, pos)
 
 
 def _single_position_logits(

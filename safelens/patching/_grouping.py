@@ -15,7 +15,9 @@ Each family's runner chooses the spans:
 
 A group's runs are in layer order, as a staggered pass stacks them. Each pass reads
 the corrupted run's frozen cache cropped to its start, its rows repeated once per run
-(`run_rows`), frozen: no pass stores into it.
+(`run_rows`), frozen: no pass stores into it. A metric of every position gets the
+corrupted run's logits before the start (`with_positions_before`): a patch changes
+nothing there.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["groups", "run_rows"]
+__all__ = ["groups", "run_rows", "with_positions_before"]
 
 R = TypeVar("R")
 C = TypeVar("C", bound=Any)
@@ -79,3 +81,16 @@ def run_rows(prefix: C, runs: int, batch: int) -> C:
     rows = prefix.expand(runs) if batch == 1 else prefix.select(torch.arange(batch).repeat(runs))
     rows.freeze()
     return rows
+
+
+def with_positions_before(
+    logits: torch.Tensor, corrupted: torch.Tensor, start: int
+) -> torch.Tensor:
+    """`logits` of positions `start:` of its runs, after the `corrupted` run's logits before `start`.
+
+    `logits` is `[runs * batch, pos - start, d_vocab]`, `corrupted` `[batch, pos, d_vocab]`.
+    """
+    if not start:
+        return logits
+    runs = logits.shape[0] // corrupted.shape[0]
+    return torch.cat([corrupted[:, :start].repeat(runs, 1, 1), logits], dim=1)

@@ -48,6 +48,7 @@ from ..backends._sites import Site
 from ..core._errors import PatchingError
 from ..core._thread_hooks import hooked_anywhere
 from ._clean_cache import CLEAN_CACHE_OF, backend_sizes, check_clean_cache
+from ._grouping import with_positions_before
 from ._hf_passes import Editor, Pass, Run, passes
 from ._hf_shortcuts import Shortcuts, captured, tolerance
 from ._hf_sites import _tokens, clean_activation
@@ -195,9 +196,8 @@ def run_sweep(
                     entry = max(first, shortcuts.first_layer(chunk[0][1]))
                     entry = entry if shortcuts.stagger else first
                     logits = pass_.logits(shortcuts, chunk, entry, start, len(chunk))
-                    if start and logits.shape[1] < length and not shortcuts.last_only:
-                        before = corrupted_logits[:, :start].repeat(len(chunk), 1, 1)
-                        logits = torch.cat([before, logits], dim=1)
+                    if logits.shape[1] < length and not shortcuts.last_only:
+                        logits = with_positions_before(logits, corrupted_logits, start)
                     slots = torch.tensor([run[0] for run in chunk], device=out.device)
                     flat[slots] = scored(logits, len(chunk)).to(out.device, out.dtype)
                     bar.update(len(chunk))
