@@ -146,9 +146,15 @@ def sweep(
     """
     batch, length = corrupted.logits.shape[:2]
     cfg = model.cfg
-    sizes = dict(d_vocab=cfg.d_vocab, d_model=cfg.d_model, d_mlp=cfg.d_mlp or 0)
     rows = rows_within(
-        max_bytes, **sizes, n_heads=cfg.n_heads, new=length, length=length, dtype=cfg.dtype
+        max_bytes,
+        d_vocab=cfg.d_vocab,
+        d_model=cfg.d_model,
+        d_mlp=cfg.d_mlp or 0,
+        n_heads=cfg.n_heads,
+        new=length,
+        length=length,
+        dtype=cfg.dtype,
     )
     limit = rows // batch
     runs_per_chunk = max(1, min(limit, max_batch) if max_batch else limit)

@@ -53,9 +53,9 @@ def passes(
     """The sweep's passes `(first layer, first position, runs)`, cheapest by a cost model.
 
     Runs start at the layer of their patch (when the shortcut holds) and at their
-    position rounded down to a multiple of a span (`safelens.patching._grouping`). A pass holds the runs of one layer,
-    or, staggered (`Shortcuts.stagger`), of every layer, each entering at its own
-    (runs in layer order). The span minimises the estimated cost: `_OVERHEAD[family]`
+    position rounded down to a multiple of a span (`safelens.patching._grouping`). A
+    pass holds the runs of one layer, or, staggered (`Shortcuts.stagger`), of every
+    layer, each entering at its own (runs in layer order). The span minimises the estimated cost: `_OVERHEAD[family]`
     per pass and per layer it runs (in multiply-adds), plus the multiply-adds of every
     row, layer and position it runs.
     For a metric of the last position, every patch in the last layer runs the last

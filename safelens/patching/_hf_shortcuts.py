@@ -18,8 +18,8 @@ All are checked once per sweep, on the model itself: the unpatched corrupted tok
 with the shortcuts from the last layer (from the first and from the middle position)
 and from every other layer (the last position alone), or, staggered, from the last
 layer over every position and with a run entering at each layer from layer 1 on (from
-the middle and from the last position), and must give the corrupted run's logits (within 1e-4 of the largest logit
-in float32, 3e-2 in half precision). A family
+the middle and from the last position), and must give the corrupted run's logits
+(within 1e-4 of the largest logit in float32, 3e-2 in half precision). A family
 where a shortcut does not hold (one that carries state from layer to layer beside the
 residual stream, an MLP whose output is not added to the residual stream) fails the
 check, by its logits or by an error raised in the libraries' code, and runs without it:

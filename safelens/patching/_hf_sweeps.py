@@ -75,9 +75,15 @@ def _rows_limit(backend: Backend, new: int, length: int, max_bytes: int) -> int:
     config = backend.config  # type: ignore[attr-defined]
     d_mlp = getattr(config, "intermediate_size", None) or 4 * backend.d_model
     n_heads = getattr(config, "num_attention_heads", None) or backend.d_model // backend.d_head
-    sizes = dict(d_vocab=backend.d_vocab, d_model=backend.d_model, d_mlp=d_mlp)
     return rows_within(
-        max_bytes, **sizes, n_heads=n_heads, new=new, length=length, dtype=backend.dtype
+        max_bytes,
+        d_vocab=backend.d_vocab,
+        d_model=backend.d_model,
+        d_mlp=d_mlp,
+        n_heads=n_heads,
+        new=new,
+        length=length,
+        dtype=backend.dtype,
     )
 
 
