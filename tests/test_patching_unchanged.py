@@ -65,9 +65,9 @@ def hooked_runs(monkeypatch):
     counted = []
     forward = _grid._forward_chunk
 
-    def spy(model, corrupted, pos, chunk, patch, plan):
-        counted.extend(run.index for run in chunk)
-        return forward(model, corrupted, pos, chunk, patch, plan)
+    def spy(model, corrupted, pos, chunk, **shortcuts):
+        counted.extend(run.cell for run in chunk)
+        return forward(model, corrupted, pos, chunk, **shortcuts)
 
     monkeypatch.setattr(_grid, "_forward_chunk", spy)
     return counted

@@ -319,12 +319,12 @@ def verify(
         clean_activation(backend, site, clean_cache, layer, batch, length)
         for layer in range(backend.n_layers)
     ]
-    runs: list[Run] = [
-        (slot, cell[0], cell[1], cell[2], None)
+    runs = [
+        Run(slot, cell[0], cell[1], cell[2])
         if kind == "head"
-        else (slot, cell[0], cell[2], cell[1], cell[3])
+        else Run(slot, cell[0], cell[2], cell[1], cell[3])
         if kind == "pattern"
-        else (slot, cell[0], cell[1], None, None)
+        else Run(slot, cell[0], cell[1])
         for slot, cell in enumerate(cells)
     ]
     return run_sweep(

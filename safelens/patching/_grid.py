@@ -1,6 +1,7 @@
-"""The engine behind the patching sweeps: many patched runs per forward pass.
+"""How a sweep on a `HookedTransformer` runs its passes: many patched runs per forward pass.
 
-A patch at layer `l`, position `p` of a causal model changes nothing before layer `l`
+Every sweep's loop (idle runs, the memory budget, the metric per run) is
+`safelens.patching._engine`'s; here, the passes it runs on a `HookedTransformer`. A patch at layer `l`, position `p` of a causal model changes nothing before layer `l`
 and nothing before position `p`. So the patched runs of a sweep are grouped by `p`,
 rounded down to a multiple of a span (`safelens.patching._grouping`, as on every
 family); each group shares one frozen [`KeyValueCache`][safelens.KeyValueCache] of the
@@ -28,12 +29,12 @@ budget bounds the runs per chunk, not per layer.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from jaxtyping import Float, Int
-from tqdm import tqdm
 from transformer_lens import HookedTransformer
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.utilities import get_attention_mask
@@ -41,12 +42,13 @@ from transformer_lens.utilities import get_attention_mask
 from ..backends.hooked._shared_attention import shared_prefix_attention
 from ..core._cache import KeyValueCache
 from ..core._thread_hooks import Hook, thread_hooks
+from ._engine import Planned, Run, score
 from ._grouping import groups, run_rows, with_positions_before
 from ._limits import rows_within
-from ._metric import Metric, _Metric
+from ._metric import Metric
 from ._plan import Plan
 
-__all__ = ["CorruptedRun", "Patcher", "sweep"]
+__all__ = ["CorruptedRun", "Patcher", "Run", "sweep"]
 
 # Patch an activation in place for `runs`, whose `batch` rows each start at `rows`.
 # `patcher(tensor, runs, rows, batch, start)`: `tensor` holds positions `start:`.
@@ -113,16 +115,6 @@ class CorruptedRun:
         return cls(cache, residuals, logits, captured, mask)
 
 
-@dataclass(frozen=True)
-class Run:
-    """One patched run: where it enters, and where its metric goes in the result."""
-
-    layer: int
-    pos: int
-    slot: int
-    index: tuple[int, ...]
-
-
 def sweep(
     model: HookedTransformer,
     corrupted: CorruptedRun,
@@ -139,6 +131,7 @@ def sweep(
 ) -> torch.Tensor:
     """Fill `out.view(-1)[run.slot]` with the metric of every patched run; return `out`.
 
+    The runs are grouped into passes here and scored by `safelens.patching._engine`.
     `single_position`: each run's patch changes its own position `run.pos` alone (a
     by-position sweep), which lets some sites skip work (see `safelens.patching._plan`).
     `idle`: runs whose patch changes nothing (`safelens.patching._unchanged`): each gets
@@ -146,43 +139,36 @@ def sweep(
     """
     batch, length = corrupted.logits.shape[:2]
     cfg = model.cfg
-    rows = rows_within(
-        max_bytes,
-        d_vocab=cfg.d_vocab,
-        d_model=cfg.d_model,
-        d_mlp=cfg.d_mlp or 0,
-        n_heads=cfg.n_heads,
-        new=length,
-        length=length,
-        dtype=cfg.dtype,
-    )
-    limit = rows // batch
-    runs_per_chunk = max(1, min(limit, max_batch) if max_batch else limit)
-    scored = _Metric(metric, batch)
+
+    def rows(start: int) -> int:
+        return rows_within(
+            max_bytes,
+            d_vocab=cfg.d_vocab,
+            d_model=cfg.d_model,
+            d_mlp=cfg.d_mlp or 0,
+            n_heads=cfg.n_heads,
+            new=length - start,
+            length=length,
+            dtype=cfg.dtype,
+        )
+
     last = model.cfg.n_layers - 1
     plan = Plan.of(model, hook_name(last).removeprefix(f"blocks.{last}."), single_position, metric)
     patch = _Patch(hook_name, patcher)
-    flat = out.view(-1)
     span = _SPAN if plan.reuses_positions else length
-    starts = groups(runs, (span,), _position, _layer)
-    with (
-        torch.no_grad(),
-        shared_prefix_attention(model),
-        tqdm(total=len(runs) + len(idle or ()), disable=not progress, desc="patching") as bar,
-    ):
-        if idle:
-            logits = corrupted.logits[:, -1:] if plan.last_only else corrupted.logits
-            slots = torch.tensor([run.slot for run in idle], device=out.device)
-            flat[slots] = scored(logits.detach(), 1).to(out.device, out.dtype)
-        bar.update(len(idle or ()))
-        for pos, group in starts:
-            for start in range(0, len(group), runs_per_chunk):
-                chunk = group[start : start + runs_per_chunk]
-                logits = _forward_chunk(model, corrupted, pos, chunk, patch, plan)
-                slots = torch.tensor([run.slot for run in chunk], device=out.device)
-                flat[slots] = scored(logits, len(chunk)).to(out.device, out.dtype)
-                bar.update(len(chunk))
-    return out
+    planned: list[Planned] = [
+        (
+            pos,
+            group,
+            functools.partial(_forward_chunk, model, corrupted, pos, patch=patch, plan=plan),
+        )
+        for pos, group in groups(runs, (span,), _position, _layer)
+    ]
+    idle_logits = corrupted.logits[:, -1:] if plan.last_only else corrupted.logits
+    with torch.no_grad(), shared_prefix_attention(model):
+        return score(
+            out, metric, batch, idle or [], idle_logits, planned, rows, max_batch, progress
+        )
 
 
 def _forward_chunk(
@@ -190,6 +176,7 @@ def _forward_chunk(
     corrupted: CorruptedRun,
     pos: int,
     chunk: list[Run],
+    *,
     patch: _Patch,
     plan: Plan,
 ) -> Float[torch.Tensor, "rows pos d_vocab"]:
@@ -201,7 +188,7 @@ def _forward_chunk(
     """
     last = model.cfg.n_layers - 1
     layers = _Layers(model, corrupted, plan, pos)
-    end = max(run.pos for run in chunk) + 1
+    end = max(run.pos or 0 for run in chunk) + 1
     residual: torch.Tensor | None = None
     single_last: torch.Tensor | None = None
     for layer in range(chunk[0].layer, last + 1):
@@ -325,7 +312,7 @@ def _single_position_logits(
     return logits
 
 
-def _position(run: Run) -> int:
+def _position(run: Run) -> int | None:
     return run.pos
 
 

@@ -82,7 +82,7 @@ def seam_generic(
     sizes |= {"head_index": int(heads), "head": int(heads)}
     index_df, shape = index_grid(sizes, index_axis_names, index_df)
     indices = [[int(i) for i in row] for row in index_df.itertuples(index=False)]
-    runs: list[Run] = [(slot, index[0], None, None, None) for slot, index in enumerate(indices)]
+    runs = [Run(slot, index[0], None) for slot, index in enumerate(indices)]
 
     def editor(layer: int, at: list[tuple[int, Any]]) -> Callable[[torch.Tensor], torch.Tensor]:
         def edit(hooked: torch.Tensor) -> torch.Tensor:

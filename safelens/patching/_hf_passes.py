@@ -16,6 +16,7 @@ import torch
 
 from ..backends._backend import Backend
 from ..backends._sites import Site
+from ._engine import Run
 from ._grouping import groups, run_rows
 from ._hf_shortcuts import Shortcuts
 from ._hf_sites import put, site_edits
@@ -33,12 +34,10 @@ _OWN_POSITION = activations(AFTER_KEYS)
 # copies the prefix cache per row and reads it in every layer); smaller values cut the
 # runs into more passes and made those grids a tenth to a sixth slower.
 _OVERHEAD = {"bridge": (1.5e8, 6e7), "hf": (1.5e8, 5e7)}
-# (slot in the result, layer, position or None, head or None, source position or None)
-Run = tuple[int, int, "int | None", "int | None", "int | None"]
 
 # How a generic sweep edits one layer's activation: `(layer, [(run's place in its pass,
 # run)]) -> edit`; `None` for the sweeps' own patches.
-Editor = Callable[[int, list[tuple[int, "Run"]]], Callable[[torch.Tensor], torch.Tensor]]
+Editor = Callable[[int, list[tuple[int, Run]]], Callable[[torch.Tensor], torch.Tensor]]
 
 
 def passes(

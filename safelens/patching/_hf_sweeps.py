@@ -41,19 +41,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from ..backends._backend import Backend, backend_of
 from ..backends._sites import Site
 from ..core._errors import PatchingError
 from ..core._thread_hooks import hooked_anywhere
 from ._clean_cache import CLEAN_CACHE_OF, backend_sizes, check_clean_cache
+from ._engine import Planned, Run, score
 from ._grouping import with_positions_before
-from ._hf_passes import Editor, Pass, Run, passes
+from ._hf_passes import Editor, Pass, passes
 from ._hf_shortcuts import Shortcuts, captured, tolerance
 from ._hf_sites import _tokens, clean_activation
 from ._limits import _check_limits, rows_within
-from ._metric import Metric, _Metric
+from ._metric import Metric
 from ._unchanged import idle_runs, seeing
 
 __all__ = ["Editor", "Run", "is_seam_model", "run_sweep", "seam_patch"]
@@ -126,7 +126,7 @@ def seam_patch(
     for slot, index in enumerate(itertools.product(*map(range, shape))):
         pos = index[1] if by_pos else None
         src = index[2] if by_src else None
-        runs.append((slot, index[0], pos, index[-1] if with_head else None, src))
+        runs.append(Run(slot, index[0], pos, index[-1] if with_head else None, src))
     return run_sweep(
         backend, site, tokens, clean, runs, shape, patching_metric, max_batch, max_bytes, progress
     )
@@ -153,8 +153,6 @@ def run_sweep(
     else:
         mask = backend.default_mask(tokens).to(tokens.device)
     out = torch.zeros(shape, device=backend.device)
-    flat = out.view(-1)
-    scored = _Metric(patching_metric, batch)
     partial = not hooked_anywhere(backend.model)  # read before the sweep attaches its own
     with torch.no_grad():
         # The model's own corrupted run: patches that write what it holds are its runs.
@@ -184,30 +182,31 @@ def run_sweep(
             partial,
         )
         idle = idle_runs(reference.site, clean, reference.seen, runs)
-        if idle:
-            logits = reference.logits[:, -1:] if shortcuts.last_only else reference.logits
-            slots = torch.tensor([run[0] for run in idle], device=out.device)
-            flat[slots] = scored(logits, 1).to(out.device, out.dtype)
-            skipped = {run[0] for run in idle}
-            runs = [run for run in runs if run[0] not in skipped]
-        with tqdm(total=len(runs) + len(idle), disable=not progress, desc="patching") as bar:
-            bar.update(len(idle))
-            planned = passes(backend, site, shortcuts, runs, length, batch, editor is None)
-            for first, start, group in planned:
-                rows = _rows_limit(backend, length - start, length, max_bytes)
-                per_pass = max(1, rows // batch)
-                per_pass = min(per_pass, max_batch) if max_batch else per_pass
-                for at in range(0, len(group), per_pass):
-                    chunk = group[at : at + per_pass]
-                    entry = max(first, shortcuts.first_layer(chunk[0][1]))
-                    entry = entry if shortcuts.stagger else first
-                    logits = pass_.logits(shortcuts, chunk, entry, start, len(chunk))
-                    if logits.shape[1] < length and not shortcuts.last_only:
-                        logits = with_positions_before(logits, corrupted_logits, start)
-                    slots = torch.tensor([run[0] for run in chunk], device=out.device)
-                    flat[slots] = scored(logits, len(chunk)).to(out.device, out.dtype)
-                    bar.update(len(chunk))
-    return out
+        skipped = {run.slot for run in idle}
+        runs = [run for run in runs if run.slot not in skipped]
+        planned: list[Planned] = []
+        for first, start, group in passes(
+            backend, site, shortcuts, runs, length, batch, editor is None
+        ):
+
+            def run(chunk: list[Run], first: int = first, start: int = start) -> torch.Tensor:
+                # A chunk of a staggered pass enters at its earliest run's layer.
+                entry = max(first, shortcuts.first_layer(chunk[0].layer))
+                entry = entry if shortcuts.stagger else first
+                logits = pass_.logits(shortcuts, chunk, entry, start, len(chunk))
+                if logits.shape[1] < length and not shortcuts.last_only:
+                    logits = with_positions_before(logits, corrupted_logits, start)
+                return logits
+
+            planned.append((start, group, run))
+        idle_logits = reference.logits[:, -1:] if shortcuts.last_only else reference.logits
+
+        def rows(start: int) -> int:
+            return _rows_limit(backend, length - start, length, max_bytes)
+
+        return score(
+            out, patching_metric, batch, idle, idle_logits, planned, rows, max_batch, progress
+        )
 
 
 @dataclass

@@ -26,6 +26,7 @@ import torch
 from jaxtyping import Int
 
 from ..backends._supported import SupportedModel
+from ._engine import Run
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
 from ._metric import Metric
 from ._setters import Setter
@@ -34,7 +35,6 @@ from ._unchanged import known_setter_axes, marked, unchanged
 if TYPE_CHECKING:
     from transformer_lens import ActivationCache, HookedTransformer
 
-    from ._grid import Run
     from ._inputs import _Sweep
 
 __all__ = ["hooked_generic", "hooked_patch"]
@@ -47,7 +47,7 @@ def _row_index(
     batch = torch.arange(sweep.batch, device=device)
     starts = torch.tensor(rows, device=device)
     row = (starts[:, None] + batch).reshape(-1)
-    columns = torch.tensor([run.index for run in runs], device=device)
+    columns = torch.tensor([run.cell for run in runs], device=device)
     return (row, batch.repeat(len(runs)), *columns.repeat_interleave(sweep.batch, dim=0).T)
 
 
@@ -76,11 +76,10 @@ def _all_pos_patcher(sweep: _Sweep) -> Callable[..., None]:
 
 
 def _grid_runs(shape: tuple[int, ...], pos_axis: int | None) -> list[Run]:
-    from ._grid import Run
     from ._index import grid
 
     return [
-        Run(index[0], index[pos_axis] if pos_axis is not None else 0, slot, index)
+        Run(slot, index[0], index[pos_axis] if pos_axis is not None else 0, cell=index)
         for slot, index in enumerate(grid(shape))
     ]
 
@@ -128,7 +127,7 @@ def _idle(sweep: _Sweep, runs: list[Run], axes: list[int]) -> tuple[list[Run], l
         unchanged(sweep.clean[layer], sweep.corrupted.activations[sweep.hook_name(layer)], axes)
         for layer in range(sweep.model.cfg.n_layers)
     ]
-    flags = marked(same, [run.index for run in runs])
+    flags = marked(same, [run.cell for run in runs])
     idle = [run for run, flag in zip(runs, flags, strict=True) if flag]
     return [run for run, flag in zip(runs, flags, strict=True) if not flag], idle
 
@@ -147,7 +146,6 @@ def hooked_generic(
     progress: bool,
 ) -> tuple[torch.Tensor, pd.DataFrame]:
     """`generic_activation_patch` on a `HookedTransformer`: result and index rows."""
-    from ._grid import Run
     from ._index import check_index_choice
     from ._inputs import _check_patched, _index_grid, _Sweep
 
@@ -162,7 +160,7 @@ def hooked_generic(
     for slot, row in enumerate(index_df.itertuples(index=False)):
         index = tuple(int(i) for i in row)
         pos = index[pos_column] % sweep.length if pos_column is not None else 0
-        runs.append(Run(index[0], pos, slot, index))
+        runs.append(Run(slot, index[0], pos, cell=index))
 
     def patch(
         tensor: torch.Tensor, runs: list[Run], rows: list[int], batch: int, start: int
@@ -172,13 +170,13 @@ def hooked_generic(
         for run, row in zip(runs, rows, strict=True):
             own = tensor[row : row + batch]
             full = torch.cat([before[:, :start], own], dim=1)
-            patched = patch_setter(full, list(run.index), sweep.clean[layer])
+            patched = patch_setter(full, list(run.cell), sweep.clean[layer])
             _check_patched(full if patched is None else patched, full, before, start, run)
             own.copy_((full if patched is None else patched)[:, start:])
 
     idle: list[Run] = []
     writes = known_setter_axes(patch_setter)
-    if writes is not None and all(len(run.index) == len(writes) + 1 for run in runs):
+    if writes is not None and all(len(run.cell) == len(writes) + 1 for run in runs):
         runs, idle = _idle(sweep, runs, writes)
     result = sweep.run(
         runs, shape, patch, patching_metric, max_batch, max_bytes, progress, idle=idle

@@ -188,10 +188,10 @@ def _check_patched(
     patched: Any, full: torch.Tensor, before: torch.Tensor, start: int, run: Run
 ) -> None:
     """A `PatchingError` unless `patched` fits `full` and keeps positions before `start`."""
-    check_setter_result(patched, full, list(run.index))
+    check_setter_result(patched, full, list(run.cell))
     if start and not torch.equal(patched[:, :start], before[:, :start]):
         raise PatchingError(
-            f"patch_setter changed positions before {start} for index {list(run.index)}, "
+            f"patch_setter changed positions before {start} for index {list(run.cell)}, "
             f"whose pos is {run.pos}; the cached sweep reuses the corrupted run's positions "
             "before each index's pos. Give each row the first position its patch changes "
             "as pos, or leave pos out of the index columns"
