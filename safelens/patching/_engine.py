@@ -13,20 +13,24 @@ index of its grid. Every sweep hands them here split in two:
   `runner(chunk)` gives each chunk's logits, `batch` rows per run.
 
 What runs a pass is the family's: on a `HookedTransformer`, `safelens.patching._grid`;
-on a HuggingFace model or a TransformerBridge, `safelens.patching._hf_passes`.
+on a HuggingFace model or a TransformerBridge, `safelens.patching._hf_passes`. Both
+write a sweep's patches with `put`, at the runs' rows, positions, heads and source
+positions (`patch_index`), in the layout the family's site declares
+(`safelens.backends._sites.Site`); a user's `patch_setter` writes its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from tqdm import tqdm
 
+from ..backends._sites import Site
 from ._metric import Metric, _Metric
 
-__all__ = ["Planned", "Run", "score"]
+__all__ = ["Planned", "Run", "patch_index", "put", "score"]
 
 
 class Run(NamedTuple):
@@ -84,3 +88,62 @@ def score(
                 flat[slots] = scored(logits, len(chunk)).to(out.device, out.dtype)
                 bar.update(len(chunk))
     return out
+
+
+def patch_index(
+    places: Sequence[int], runs: Sequence[Run], batch: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """Where `runs`, at `places` of their pass (`batch` rows each), write: `put`'s `index`.
+
+    `(rows, clean rows, pos, head, src)`: each run's rows, the clean run's rows they
+    take, and each run's position, head and source position repeated per row (empty
+    for a field the runs do not have).
+    """
+    offsets = torch.arange(batch, device=device)
+    rows = (torch.tensor(list(places), device=device)[:, None] * batch + offsets).reshape(-1)
+    fields = (
+        torch.tensor(
+            [run[field] for run in runs if run[field] is not None], dtype=torch.long, device=device
+        ).repeat_interleave(batch)
+        for field in (2, 3, 4)  # pos, head, src
+    )
+    return (rows, offsets.repeat(len(runs)), *fields)
+
+
+def put(
+    site: Site,
+    tensor: torch.Tensor,
+    clean: torch.Tensor,
+    index: tuple[torch.Tensor, ...],
+    start: int,
+) -> torch.Tensor:
+    """Write the clean values at `index` into `tensor`, which holds positions `start:`.
+
+    `index` is `patch_index`'s: rows of `tensor`, rows of `clean`, and the runs'
+    positions, heads and source positions (empty where the runs have none: every
+    position the pass runs, every head). `tensor` and `clean` are laid out as `site`
+    says. `clean` is on its layer's device; `tensor` too, except a layer's input, which
+    a `device_map` model hands on from the previous layer's device (accelerate moves it).
+    """
+    rows, clean_rows, pos, head, src = index
+    target: list[Any] = [slice(None)] * tensor.dim()
+    source: list[Any] = [slice(None)] * clean.dim()
+    target[0], source[0] = rows, clean_rows
+    if pos.numel():
+        target[site.pos_axis], source[site.pos_axis] = pos - start, pos
+    else:  # every position the pass runs
+        source[site.pos_axis] = slice(start, None)
+    if head.numel():
+        target[site.head_axis], source[site.head_axis] = head, head
+    if src.numel():  # a pattern's source positions, after its destination positions
+        target[site.pos_axis + 1], source[site.pos_axis + 1] = src, src
+    # In place, as TransformerLens' setters: a bridge alias such as `hook_resid_mid`
+    # (`ln2.hook_in`) ignores what its hook returns. Cast, as their slice assignment does.
+    values = clean[_on(source, clean.device)].to(tensor.device, tensor.dtype)
+    tensor[_on(target, tensor.device)] = values
+    return tensor
+
+
+def _on(index: list[Any], device: torch.device) -> tuple[Any, ...]:
+    """`index` with its tensors on `device` (no copy when they are there already)."""
+    return tuple(part.to(device) if isinstance(part, torch.Tensor) else part for part in index)

@@ -50,8 +50,8 @@ from ._plan import Plan
 
 __all__ = ["CorruptedRun", "Patcher", "Run", "sweep"]
 
-# Patch an activation in place for `runs`, whose `batch` rows each start at `rows`.
-# `patcher(tensor, runs, rows, batch, start)`: `tensor` holds positions `start:`.
+# Patch an activation in place for `runs`, the `batch` rows of each at its place in `places`.
+# `patcher(tensor, runs, places, batch, start)`: `tensor` holds positions `start:`.
 Patcher = Callable[[torch.Tensor, list["Run"], list[int], int, int], None]
 
 # Runs patched at positions `p0 … p0 + _SPAN - 1` share one chunk that starts at `p0`:
@@ -250,10 +250,10 @@ class _Layers:
         model, batch = self.model, self.batch
         points: list[tuple[HookPoint, Hook]] = []
         if runs:
-            rows = list(range(first, first + len(runs) * batch, batch))
+            places = list(range(first // batch, first // batch + len(runs)))
 
             def hook(tensor: torch.Tensor, hook: object) -> torch.Tensor:
-                patch.patcher(tensor, runs, rows, batch, self.start)
+                patch.patcher(tensor, runs, places, batch, self.start)
                 return tensor
 
             points.append((model.hook_dict[patch.hook_name(layer)], hook))

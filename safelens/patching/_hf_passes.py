@@ -16,10 +16,10 @@ import torch
 
 from ..backends._backend import Backend
 from ..backends._sites import Site
-from ._engine import Run
+from ._engine import Run, patch_index, put
 from ._grouping import groups, run_rows
 from ._hf_shortcuts import Shortcuts
-from ._hf_sites import put, site_edits
+from ._hf_sites import site_edits
 from ._skips import AFTER_KEYS, activations
 
 __all__ = ["Editor", "Pass", "Run", "passes"]
@@ -174,17 +174,7 @@ class Pass:
                 hooks[layer] = site.hook(layer)
                 edits[layer] = self.editor(layer, [(i, chunk[i]) for i in at])
                 continue
-            offsets = torch.arange(batch, device=device)
-            row = (torch.tensor(at, device=device)[:, None] * batch + offsets).reshape(-1)
-            pos, head, src = (
-                torch.tensor(
-                    [chunk[i][k] for i in at if chunk[i][k] is not None],
-                    dtype=torch.long,
-                    device=device,
-                ).repeat_interleave(batch)
-                for k in (2, 3, 4)
-            )
-            index = (row, offsets.repeat(len(at)), pos, head, src)
+            index = patch_index(at, [chunk[i] for i in at], batch, device)
             if full:
                 hooks[layer] = site.full(layer)  # type: ignore[misc]
                 edits[layer] = _edit(site, self.clean[layer], index, 0)

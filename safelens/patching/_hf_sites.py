@@ -4,8 +4,9 @@ The sites themselves are the backends' (`Backend.patch_site`: a HuggingFace mode
 in `safelens.backends.hf._sites`, a bridge's in `safelens.backends.bridge._sites`).
 Here: how a sweep reaches them.
 
-`clean_activation` checks a site's clean tensor against the prompt; `put` writes clean
-values into the tensor a patched pass's hook sees.
+`clean_activation` checks a site's clean tensor against the prompt; `site_edits` puts a
+pass's edits at the seams of a HuggingFace model (`safelens.patching._engine.put`
+writes the clean values).
 
 On a bridge the clean cache is `bridge.run_with_cache(clean_tokens)`'s
 `ActivationCache`; on a HuggingFace model it is the dict
@@ -32,7 +33,6 @@ from ._clean_cache import CLEAN_CACHE_OF, shape_error
 
 __all__ = [
     "clean_activation",
-    "put",
     "run_with_patching_cache",
     "site_edits",
 ]
@@ -99,42 +99,6 @@ def clean_activation(
     if site.transposed:
         clean = clean.transpose(1, 2)
     return clean.to(layer_device(backend, layer)).expand(batch, *expected)
-
-
-def put(
-    site: Site,
-    tensor: torch.Tensor,
-    clean: torch.Tensor,
-    index: tuple[torch.Tensor, ...],
-    start: int,
-) -> torch.Tensor:
-    """Write the clean values at `index` = (rows, clean rows, pos, head, source pos) into `tensor` (positions `start:`).
-
-    `clean` is on its layer's device; `tensor` too, except a layer's input, which a
-    `device_map` model hands on from the previous layer's device (accelerate moves it).
-    """
-    rows, clean_rows, pos, head, src = index
-    target: list[Any] = [slice(None)] * tensor.dim()
-    source: list[Any] = [slice(None)] * clean.dim()
-    target[0], source[0] = rows, clean_rows
-    if pos.numel():
-        target[site.pos_axis], source[site.pos_axis] = pos - start, pos
-    else:  # every position: those the pass runs (the last alone, in `_passes`' last group)
-        source[site.pos_axis] = slice(start, None)
-    if head.numel():
-        target[site.head_axis], source[site.head_axis] = head, head
-    if src.numel():  # a pattern's source positions, after its destination positions
-        target[site.pos_axis + 1], source[site.pos_axis + 1] = src, src
-    # In place, as TransformerLens' setters: a bridge alias such as `hook_resid_mid`
-    # (`ln2.hook_in`) ignores what its hook returns. Cast, as their slice assignment does.
-    values = clean[_on(source, clean.device)].to(tensor.device, tensor.dtype)
-    tensor[_on(target, tensor.device)] = values
-    return tensor
-
-
-def _on(index: list[Any], device: torch.device) -> tuple[Any, ...]:
-    """`index` with its tensors on `device` (no copy when they are there already)."""
-    return tuple(part.to(device) if isinstance(part, torch.Tensor) else part for part in index)
 
 
 def run_with_patching_cache(

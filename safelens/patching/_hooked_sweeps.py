@@ -25,8 +25,9 @@ import pandas as pd
 import torch
 from jaxtyping import Int
 
+from ..backends._sites import tl_site
 from ..backends._supported import SupportedModel
-from ._engine import Run
+from ._engine import Run, patch_index, put
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
 from ._metric import Metric
 from ._setters import Setter
@@ -40,46 +41,30 @@ if TYPE_CHECKING:
 __all__ = ["hooked_generic", "hooked_patch"]
 
 
-def _row_index(
-    sweep: _Sweep, runs: list[Run], rows: list[int], device: torch.device
-) -> tuple[torch.Tensor, ...]:
-    """Batch rows, clean-batch rows and per-run index columns on `device` (the patched tensor's)."""
-    batch = torch.arange(sweep.batch, device=device)
-    starts = torch.tensor(rows, device=device)
-    row = (starts[:, None] + batch).reshape(-1)
-    columns = torch.tensor([run.cell for run in runs], device=device)
-    return (row, batch.repeat(len(runs)), *columns.repeat_interleave(sweep.batch, dim=0).T)
+def _patcher(sweep: _Sweep) -> Callable[..., None]:
+    """The sweep's patch: each run's clean values at its position and head (`put`)."""
+    site = tl_site(sweep.activation_name, sweep.heads())
 
-
-def _by_pos_patcher(sweep: _Sweep, with_head: bool) -> Callable[..., None]:
     def patch(
-        tensor: torch.Tensor, runs: list[Run], rows: list[int], batch: int, start: int
+        tensor: torch.Tensor, runs: list[Run], places: list[int], batch: int, start: int
     ) -> None:
-        row, clean_row, layer, pos, *head = _row_index(sweep, runs, rows, tensor.device)
-        clean = sweep.clean[runs[0].layer]
-        if with_head:
-            tensor[row, pos - start, head[0]] = clean[clean_row, pos, head[0]]
-        else:
-            tensor[row, pos - start] = clean[clean_row, pos]
+        index = patch_index(places, runs, batch, tensor.device)
+        put(site, tensor, sweep.clean[runs[0].layer], index, start)
 
     return patch
 
 
-def _all_pos_patcher(sweep: _Sweep) -> Callable[..., None]:
-    def patch(
-        tensor: torch.Tensor, runs: list[Run], rows: list[int], batch: int, start: int
-    ) -> None:
-        row, clean_row, layer, head = _row_index(sweep, runs, rows, tensor.device)
-        tensor[row, :, head] = sweep.clean[runs[0].layer][clean_row, start:, head]
-
-    return patch
-
-
-def _grid_runs(shape: tuple[int, ...], pos_axis: int | None) -> list[Run]:
+def _grid_runs(shape: tuple[int, ...], by_pos: bool, with_head: bool) -> list[Run]:
     from ._index import grid
 
     return [
-        Run(slot, index[0], index[pos_axis] if pos_axis is not None else 0, cell=index)
+        Run(
+            slot,
+            index[0],
+            index[1] if by_pos else None,
+            index[-1] if with_head else None,
+            cell=index,
+        )
         for slot, index in enumerate(grid(shape))
     ]
 
@@ -108,12 +93,9 @@ def hooked_patch(
         shape += (sweep.heads(),)
     # The patcher writes clean[:, pos, head] (every position without pos, the whole
     # position without head).
-    runs, idle = _idle(
-        sweep, _grid_runs(shape, 1 if by_pos else None), [1] * by_pos + [2] * with_head
-    )
-    patcher = _by_pos_patcher(sweep, with_head) if by_pos else _all_pos_patcher(sweep)
+    runs, idle = _idle(sweep, _grid_runs(shape, by_pos, with_head), [1] * by_pos + [2] * with_head)
     return sweep.run(
-        runs, shape, patcher, patching_metric, max_batch, max_bytes, progress, by_pos, idle
+        runs, shape, _patcher(sweep), patching_metric, max_batch, max_bytes, progress, by_pos, idle
     )
 
 
@@ -159,16 +141,16 @@ def hooked_generic(
     runs = []
     for slot, row in enumerate(index_df.itertuples(index=False)):
         index = tuple(int(i) for i in row)
-        pos = index[pos_column] % sweep.length if pos_column is not None else 0
+        pos = index[pos_column] % sweep.length if pos_column is not None else None
         runs.append(Run(slot, index[0], pos, cell=index))
 
     def patch(
-        tensor: torch.Tensor, runs: list[Run], rows: list[int], batch: int, start: int
+        tensor: torch.Tensor, runs: list[Run], places: list[int], batch: int, start: int
     ) -> None:
         layer = runs[0].layer
         before = sweep.corrupted.activations[sweep.hook_name(layer)]
-        for run, row in zip(runs, rows, strict=True):
-            own = tensor[row : row + batch]
+        for run, place in zip(runs, places, strict=True):
+            own = tensor[place * batch : (place + 1) * batch]
             full = torch.cat([before[:, :start], own], dim=1)
             patched = patch_setter(full, list(run.cell), sweep.clean[layer])
             _check_patched(full if patched is None else patched, full, before, start, run)
