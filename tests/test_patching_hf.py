@@ -437,7 +437,7 @@ def test_a_family_without_an_mlp_module_gets_every_other_sweep(monkeypatch):
     for name, activation, indices in HF_SWEEPS:
         sweep = getattr(safelens, name)
         if activation == "mlp_out":
-            with pytest.raises(PatchingError, match="no mlp module"):
+            with pytest.raises(PatchingError, match="has no mlp or block_sparse_moe or ffn module"):
                 sweep(lm, corrupted, clean_cache, metric, progress=False)
             continue
         got = sweep(lm, corrupted, clean_cache, metric, progress=False)

@@ -24,6 +24,18 @@ torch.Size([2, 3])
 
 Each name is imported on first use, so that `import safelens` needs neither
 TransformerLens nor transformers.
+
+Inside, one engine serves every family. Each model family's adapter declares its sites
+(`Backend.patch_site`: where an activation is read and written, its layout and heads).
+Written once, for every family: the runs of a sweep and the loop that scores them
+(`_engine`: idle runs, the memory budget of each pass, the metric per run, the one
+patch writer `put`), how runs are grouped into passes and share the corrupted run's
+frozen cache (`_grouping`), which patches write what the corrupted run holds
+(`_unchanged`), what a patched run may skip (`_skips`), the memory estimate (`_limits`)
+and the metric (`_metric`). What runs one pass is the family's, as `Backend.forward` is:
+on a `HookedTransformer` `_grid` with its shortcuts in `_plan` (TransformerLens'
+`start_at_layer`, its own attention path); on a HuggingFace model or a bridge
+`_hf_passes` with `_hf_shortcuts` and `_hf_lean` (checked on the model once per sweep).
 """
 
 from importlib import import_module

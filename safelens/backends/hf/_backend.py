@@ -36,7 +36,12 @@ from .._cache_ops import CacheLayout, CacheOps, CacheShape
 from .._sites import Site
 from ._cache import HFKeyValueCache
 from ._layer import HFCacheLayer
-from ._model import forward_cache_argument, forward_parameters, hf_cache_argument
+from ._model import (
+    check_attention_layers,
+    forward_cache_argument,
+    forward_parameters,
+    hf_cache_argument,
+)
 from ._run import attach_hooks, module_hooks, run, select_cache_hooks
 from ._shared_attention import shared_prefix
 from ._sites import hf_site
@@ -175,6 +180,8 @@ class HFBackend(Backend):
     def __init__(self, model: Any) -> None:
         super().__init__(model)
         self.config = model.config.get_text_config(decoder=True)
+        family = getattr(self.config, "model_type", None) or "the model"
+        check_attention_layers(self.config, f"{family} ({type(model).__name__})")
         dims = CacheDimensions.of(_Sizes(self.config))
         self.n_layers, self.n_kv_heads, self.d_head = dims.n_layers, dims.n_kv_heads, dims.d_head
         # What `HFKeyValueCache(config=)` reads, without the config's dtype (the model's

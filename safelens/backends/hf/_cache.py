@@ -45,6 +45,7 @@ from ...core._storage import Sequence
 from ._cache_passes import CachePasses
 from ._frozen_pass import FrozenPasses
 from ._layer import HookNaming, check_naming, sliding_windows
+from ._model import check_attention_layers
 from ._persistence import check_layers_fit, load_layers, save_layers, text_config
 from ._pytree import register_cache_pytree
 
@@ -80,7 +81,8 @@ class HFKeyValueCache(CachePasses):
       `blocks.{layer}.…` hook names.
 
     **Raises:** [`CacheConfigError`][safelens.CacheConfigError] for a config without a
-    layer count.
+    layer count, or with layers that store no keys and values (convolution, state-space
+    or linear-attention layers: LFM2, Mamba, Jamba, Qwen3-Next, MiniMax).
 
     ```python
     >>> cache = HFKeyValueCache()
@@ -96,7 +98,9 @@ class HFKeyValueCache(CachePasses):
         self.naming = check_naming(naming)
         self._windows = sliding_windows(config)
         if config is not None:
-            self._grow(CacheDimensions.of(text_config(config)).n_layers)
+            text = text_config(config)
+            check_attention_layers(text, f"config {type(config).__name__}")
+            self._grow(CacheDimensions.of(text).n_layers)
         self._frozen = bool(frozen)
         self._user_defined = False
         self._frozen_passes = FrozenPasses()

@@ -35,7 +35,12 @@ import transformers
 
 from ...core._errors import CacheConfigError
 
-__all__ = ["forward_cache_argument", "forward_parameters", "hf_cache_argument"]
+__all__ = [
+    "check_attention_layers",
+    "forward_cache_argument",
+    "forward_parameters",
+    "hf_cache_argument",
+]
 
 CacheArgument = Literal["cache", "past_key_values"]
 
@@ -132,3 +137,51 @@ def hf_cache_argument(model: torch.nn.Module) -> CacheArgument:
             "prefixes: prefill, score_continuations, generate)"
         )
     return name
+
+
+# The layer kinds transformers' own cache gives a key/value layer: safelens' cache holds
+# the keys and values of every layer, attended in full or in a window.
+ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+# What the other kinds keep instead (transformers' names).
+_KEEPS = {
+    "conv": "a convolution state",
+    "linear_attention": "a recurrent state (state-space or linear attention)",
+    "hybrid": "a recurrent state beside its keys and values",
+    "hybrid_sliding": "a recurrent state beside its keys and values",
+    "dummy": "no keys and values of its own (it reuses another layer's, or has no attention)",
+}
+
+
+def check_attention_layers(config: Any, what: str) -> None:
+    """Refuse a model (`what`, its text `config`) with a layer that stores no keys and values.
+
+    The kinds are transformers' own (`get_layer_types_and_kwargs`, as `DynamicCache`
+    reads them; a config's `layer_types` on a transformers without it): a state-space,
+    convolution or linear-attention layer (Mamba, Jamba, Zamba, Qwen3-Next, Falcon-H1,
+    MiniMax, LFM2), or one that reuses another layer's keys and values.
+
+    **Raises:** [`CacheConfigError`][safelens.CacheConfigError] naming the family, the
+    first such layer and its kind.
+    """
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        kinds = list(get_layer_types_and_kwargs(config)[0])
+    except Exception:  # noqa: BLE001 - an older transformers, or a config it cannot read
+        kinds = list(getattr(config, "layer_types", None) or ())
+    # Older hybrid configs name their layers' kinds here instead (Jamba, Zamba).
+    kinds = kinds or [str(kind) for kind in getattr(config, "layers_block_type", None) or ()]
+    other = [
+        (index, kind)
+        for index, kind in enumerate(kinds)
+        if kind not in ATTENTION_LAYERS and kind != "attention"
+    ]
+    if other:
+        index, kind = other[0]
+        raise CacheConfigError(
+            f"{what} has layers that are not attention layers safelens can cache: layer "
+            f"{index} is {kind!r} ({len(other)} such layers), which keeps "
+            f"{_KEEPS.get(kind, 'a state other than keys and values')}; safelens' cache "
+            "holds the keys and values every layer stores and attends "
+            f"({', '.join(sorted(ATTENTION_LAYERS))}). Run this model without a safelens cache"
+        )

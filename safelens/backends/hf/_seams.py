@@ -58,11 +58,28 @@ ATTENTION_MODULES = ("self_attn", "attn", "self_attention", "attention")
 # The attention's output projection, whose input is the head outputs.
 OUTPUT_PROJECTIONS = ("o_proj", "c_proj", "dense", "out_proj")
 # The norm before the MLP, in the order tried: Gemma-2/3 normalise the attention output
-# too (`post_attention_layernorm`) and the MLP input with `pre_feedforward_layernorm`.
-MLP_NORMS = ("pre_feedforward_layernorm", "post_attention_layernorm", "ln_2")
+# too (`post_attention_layernorm`) and the MLP input with `pre_feedforward_layernorm`;
+# Apertus names it `feedforward_layernorm`.
+MLP_NORMS = (
+    "pre_feedforward_layernorm",
+    "post_attention_layernorm",
+    "feedforward_layernorm",
+    "ln_2",
+)
 # Config flags of families whose attention and MLP read the same input in parallel.
 PARALLEL_FLAGS = ("use_parallel_residual", "parallel_attn", "new_decoder_architecture")
-PARALLEL_FAMILIES = frozenset({"gptj", "phi", "cohere", "codegen", "gpt_neox_japanese"})
+PARALLEL_FAMILIES = frozenset(
+    {
+        "gptj",
+        "phi",
+        "cohere",
+        "cohere2",
+        "cohere2_moe",
+        "cohere_compass",
+        "codegen",
+        "gpt_neox_japanese",
+    }
+)
 # The activations reached at these seams (TransformerLens' names); the others of a
 # HuggingFace model are the cache's hook points and modules' outputs.
 SEAMS = frozenset({*ATTENTION_POINTS, "z", "resid_pre", "resid_mid"})

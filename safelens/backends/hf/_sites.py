@@ -34,6 +34,7 @@ import torch
 
 from ...core._errors import PatchingError
 from .._sites import PATTERNS, QUERY_HEADS, TL_NAMES, Site
+from ._model import forward_parameters
 from ._seams import ATTENTION_MODULES, child_named, seam_modules
 
 if TYPE_CHECKING:
@@ -41,7 +42,10 @@ if TYPE_CHECKING:
 
 __all__ = ["decoder_layer", "decoder_layers", "hf_site", "kv_site", "layer_device"]
 
-_MODULES = {"attn_out": ATTENTION_MODULES, "mlp_out": ("mlp",)}
+# The MLP by the names families give it (`mlp`; Granite-MoE's mixture of experts:
+# `block_sparse_moe`; MPT: `ffn`, refused below). Not Llama-4's `feed_forward`, whose
+# mixture of experts returns its tokens flattened.
+_MODULES = {"attn_out": ATTENTION_MODULES, "mlp_out": ("mlp", "block_sparse_moe", "ffn")}
 
 
 def decoder_layers(model: Any, n_layers: int) -> tuple[str, torch.nn.ModuleList]:
@@ -77,12 +81,21 @@ def layer_device(backend: Backend, layer: int) -> torch.device:
 def _module_name(backend: Backend, activation: str, layer: int) -> str:
     prefix, layers = decoder_layers(backend.model, backend.n_layers)
     child = child_named(layers[layer], _MODULES[activation])
-    if child is not None:
-        return f"{prefix}.{layer}.{child}"
-    raise PatchingError(
-        f"decoder layer {layer} of {type(backend.model).__name__} has no "
-        f"{' or '.join(_MODULES[activation])} module to patch as {activation!r}"
-    )
+    if child is None:
+        raise PatchingError(
+            f"decoder layer {layer} of {type(backend.model).__name__} has no "
+            f"{' or '.join(_MODULES[activation])} module to patch as {activation!r}"
+        )
+    module = getattr(layers[layer], child)
+    if "residual" in forward_parameters(module):
+        # BLOOM, MPT: the module adds the residual stream to what it computes.
+        after = "resid_mid" if activation == "attn_out" else "resid_post"
+        raise PatchingError(
+            f"{type(module).__name__} (decoder layer {layer}'s {child}) adds the residual "
+            f"stream to its own output (its forward takes residual), so its output is "
+            f"{after}, not {activation!r}; patch resid_pre, {after} or z instead"
+        )
+    return f"{prefix}.{layer}.{child}"
 
 
 def _tl_name(activation: str) -> Any:

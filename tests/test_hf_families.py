@@ -1,0 +1,172 @@
+"""Families beyond `hf_models`' table: what runs there equals a loop of hooked forwards,
+and what cannot run is refused with the reason.
+
+- Granite-MoE's MLP is a mixture of experts named `block_sparse_moe`: `mlp_out` is its
+  output.
+- Apertus names the norm before its MLP `feedforward_layernorm`: `resid_mid` is its input.
+- BLOOM's attention and MLP add the residual stream to their own outputs, so those
+  outputs are `resid_mid` and `resid_post`: `attn_out` and `mlp_out` are refused there,
+  and left out of the clean cache.
+- A model with layers that keep another state than keys and values (LFM2's convolutions,
+  MiniMax's linear attention) is refused by every entry point, naming the layer.
+
+Reference: one uncached forward per patch with a PyTorch hook written here. Runs in both
+CI environments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import hf_models
+import pytest
+import torch
+import transformers
+from test_patching_every_hf import batched, last_position, metric, prompts
+
+import safelens
+from safelens import CacheConfigError, PatchingError, run_with_patching_cache
+
+TOL = 1e-4
+SIZES = dict(
+    **hf_models.SIZES,
+    **hf_models.SPECIAL,
+    num_hidden_layers=2,
+    num_key_value_heads=2,
+    initializer_range=0.2,  # patterns that differ between prompts
+)
+
+
+def _model(config: transformers.PretrainedConfig) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def _loop(
+    lm: torch.nn.Module,
+    module: Callable[[int], torch.nn.Module],
+    pre: bool,
+    clean: torch.Tensor,
+    corrupted: torch.Tensor,
+) -> torch.Tensor:
+    """`[layer, pos]`: one forward of `corrupted` per cell, the clean value written in place
+    at that position of `module(layer)`'s input (`pre`) or output."""
+    layers = lm.config.num_hidden_layers
+    captured: dict[int, torch.Tensor] = {}
+
+    def tensor_of(args: tuple, output: object) -> torch.Tensor:
+        value = args[0] if pre else output
+        return value[0] if isinstance(value, tuple) else value  # type: ignore[index,return-value]
+
+    def hooked(layer: int, fn: Callable[[torch.Tensor], None]):
+        if pre:
+            return module(layer).register_forward_pre_hook(
+                lambda m, args: fn(tensor_of(args, None))
+            )
+        return module(layer).register_forward_hook(lambda m, args, out: fn(tensor_of(args, out)))
+
+    handles = [
+        hooked(layer, lambda t, layer=layer: captured.__setitem__(layer, t.detach().clone()))
+        for layer in range(layers)
+    ]
+    with torch.no_grad():
+        lm(clean)
+    for handle in handles:
+        handle.remove()
+    values = torch.zeros(layers, clean.shape[1])
+    for layer in range(layers):
+        for pos in range(clean.shape[1]):
+
+            def write(t, layer=layer, pos=pos):
+                t[:, pos] = captured[layer][:, pos]
+
+            handle = hooked(layer, write)
+            with torch.no_grad():
+                values[layer, pos] = metric(lm(corrupted).logits)
+            handle.remove()
+    return values
+
+
+def test_a_mixture_of_experts_named_block_sparse_moe_is_patched_as_mlp_out():
+    lm = _model(transformers.GraniteMoeConfig(**SIZES, num_local_experts=4, num_experts_per_tok=2))
+    clean, corrupted = prompts()
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    expected = _loop(
+        lm, lambda layer: lm.model.layers[layer].block_sparse_moe, False, clean, corrupted
+    )
+    assert (expected - expected[0, 0]).abs().max() > 1e-3  # patches that change the metric
+    for sweep_metric in (metric, last_position):
+        got = safelens.get_act_patch_mlp_out(
+            lm, corrupted, clean_cache, sweep_metric, progress=False
+        )
+        assert (got - expected).abs().max() <= TOL
+
+
+def test_an_mlp_norm_named_feedforward_layernorm_is_patched_as_resid_mid():
+    lm = _model(transformers.ApertusConfig(**SIZES))
+    clean, corrupted = prompts()
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    expected = _loop(
+        lm, lambda layer: lm.model.layers[layer].feedforward_layernorm, True, clean, corrupted
+    )
+    assert (expected - expected[0, 0]).abs().max() > 1e-3
+    got = safelens.get_act_patch_resid_mid(lm, corrupted, clean_cache, batched, progress=False)
+    assert (got - expected).abs().max() <= TOL
+
+
+def test_modules_that_add_the_residual_stream_are_refused_as_attn_out_and_mlp_out():
+    lm = _model(
+        transformers.BloomConfig(
+            **hf_models.SPECIAL, hidden_size=32, n_layer=2, n_head=4, initializer_range=0.2
+        )
+    )  # fmt: skip
+    clean, corrupted = prompts()
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    assert "blocks.0.hook_attn_out" not in clean_cache
+    assert "blocks.0.hook_mlp_out" not in clean_cache
+    refusals = {
+        safelens.get_act_patch_attn_out: r"BloomAttention .* adds the residual stream .* resid_mid",
+        safelens.get_act_patch_mlp_out: r"BloomMLP .* adds the residual stream .* resid_post",
+    }
+    for sweep, message in refusals.items():
+        with pytest.raises(PatchingError, match=message):
+            sweep(lm, corrupted, clean_cache, batched, progress=False)
+    with pytest.raises(PatchingError, match="adds the residual stream"):
+        safelens.attribution_patch(lm, corrupted, clean_cache, batched, activations=["attn_out"])
+    # The residual stream itself is patched as everywhere.
+    expected = _loop(lm, lambda layer: lm.transformer.h[layer], True, clean, corrupted)
+    got = safelens.get_act_patch_resid_pre(lm, corrupted, clean_cache, batched, progress=False)
+    assert (got - expected).abs().max() <= TOL
+
+
+OTHER_LAYERS = {
+    "lfm2 convolutions": (
+        lambda: transformers.Lfm2Config(**SIZES, layer_types=["conv", "full_attention"]),
+        r"layer 0 is 'conv'",
+    ),
+    "minimax linear attention": (
+        lambda: transformers.MiniMaxConfig(
+            **SIZES, layer_types=["full_attention", "linear_attention"], num_local_experts=2
+        ),
+        r"layer 1 is 'linear_attention'",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_LAYERS))
+def test_a_model_with_layers_that_are_not_attention_layers_is_refused(name):
+    config, message = OTHER_LAYERS[name]
+    lm = _model(config())
+    clean, corrupted = prompts()
+    calls = {
+        "prefill": lambda: safelens.prefill(lm, clean),
+        "run_with_patching_cache": lambda: run_with_patching_cache(lm, clean),
+        "HFKeyValueCache": lambda: safelens.HFKeyValueCache(config=lm.config),
+        "get_act_patch_resid_pre": lambda: safelens.get_act_patch_resid_pre(
+            lm, corrupted, {}, batched, progress=False
+        ),
+    }
+    for call, run in calls.items():
+        with pytest.raises(CacheConfigError, match=message):
+            run()
+        assert not any(module._forward_hooks for module in lm.modules()), call
