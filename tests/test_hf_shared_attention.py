@@ -285,3 +285,40 @@ def test_only_the_thread_inside_the_block_reads_the_prefix_shared(shared_reads):
     assert lm.config._attn_implementation == "sdpa"
     torch.testing.assert_close(results["outside"], expected, atol=0, rtol=0)
     torch.testing.assert_close(results["inside"], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_whose_module_branches_on_the_implementation_name_is_left_as_it_is():
+    """Falcon's attention (transformers <= 5.23) picks its own branch by the name.
+
+    Switched to the shared read's name, its eager branch would add an `sdpa` mask to its
+    scores: continuations scored 2e-3 off the uncached forward. Such a model keeps its
+    own attention, with the uncached forward's numbers; a stand-in module does the same
+    on every transformers.
+    """
+    import transformers
+
+    config = transformers.FalconConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        bos_token_id=0, eos_token_id=None, pad_token_id=None, initializer_range=0.2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    falcon = transformers.AutoModelForCausalLM.from_config(config).eval()
+    prompt, continuation = ids(1, PREFIX)[0], ids(1, NEW, seed=2)[0]
+    with torch.no_grad():
+        (got,) = score_continuations(
+            falcon, prefill(falcon, prompt), [continuation]
+        ).per_continuation()
+        logits = run(falcon, torch.cat([prompt, continuation])[None])[0, PREFIX - 1 : -1]
+    expected = logits.log_softmax(-1).gather(-1, continuation[:, None])[:, 0]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+    class Branching(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x if self.config._attn_implementation == "sdpa" else -x
+
+    lm = copy.deepcopy(model("llama"))
+    lm.model.layers[0].add_module("branching", Branching())
+    with shared_prefix(lm):
+        assert lm.config._attn_implementation == "sdpa"
+    with shared_prefix(model("llama")):
+        assert model("llama").config._attn_implementation == "safelens_shared_prefix_sdpa"

@@ -17,8 +17,11 @@ across threads; the function itself, and how it learns where the prefix is, are
 Caveat: the numbers equal the model's own attention (its eager function or `sdpa`) to
 float rounding, not bitwise. Calls this path would not reproduce (listed in
 `safelens.backends.hf._shared_read`) run the model's own attention function. Models
-whose attention is neither `eager` nor `sdpa` (flash, flex), and GPT-2's
-`reorder_and_upcast_attn`, are left as they are.
+whose attention is neither `eager` nor `sdpa` (flash, flex), GPT-2's
+`reorder_and_upcast_attn`, and models with a module that branches on the
+implementation's name itself instead of dispatching through `ALL_ATTENTION_FUNCTIONS`
+(Falcon's attention up to transformers 5.24, whose eager branch would get an `sdpa`
+mask), are left as they are.
 
 Threads: the first thread to enter a block for a model switches its configs, the last to
 leave restores them, and the registered functions are removed with the last block;
@@ -29,6 +32,7 @@ model's own attention function, unchanged.
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -79,6 +83,21 @@ def _configs(model: Any) -> list[Any]:
         if isinstance(config, PretrainedConfig):
             found.setdefault(id(config), config)
     return list(found.values())
+
+
+def _branches_on_implementation(cls: Any) -> bool:
+    """Whether `cls.forward` reads `config._attn_implementation` but does not dispatch
+    through `ALL_ATTENTION_FUNCTIONS` (Falcon's attention up to transformers 5.24 picks
+    its own branch by the name, which a switched name would send elsewhere)."""
+    forward = inspect.unwrap(getattr(cls, "forward", None) or (lambda: None))
+    names = getattr(getattr(forward, "__code__", None), "co_names", ())
+    return "_attn_implementation" in names and "ALL_ATTENTION_FUNCTIONS" not in names
+
+
+def _switchable_model(model: Any) -> bool:
+    """Whether switching `model`'s configs changes nothing but the attention function."""
+    classes = {type(module) for module in model.modules()}
+    return not any(_branches_on_implementation(cls) for cls in classes)
 
 
 def _switchable(config: Any) -> bool:
@@ -184,7 +203,8 @@ def shared_prefix(model: PreTrainedModel) -> Iterator[None]:
 
     ```
     """
-    held = _hold(_configs(model))
+    configs = _configs(model)
+    held = _hold(configs if _switchable_model(model) else [])
     inside = THREAD.inside
     keys = [id(switched.config) for switched in held]
     try:
