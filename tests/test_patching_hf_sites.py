@@ -447,3 +447,22 @@ def test_threads_patching_queries_and_patterns_meanwhile_leave_each_other_alone(
         assert torch.equal(results[sweep], serial[sweep]), sweep
     assert all((logits - plain).abs().max() <= 1e-6 for logits in plains)
     assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping  # the seam is gone
+
+
+def test_bridge_resid_mid_is_the_residual_streams_in_either_grad_mode():
+    """With autograd on (outside the suite's `no_grad`), `transformer_lens.patching`'s
+    `resid_mid` on this bridge gives numbers near the corrupted run's (cell (0, 2):
+    -0.1275 where the patched stream gives -0.1206); safelens' sweep patches the stream
+    in both modes, as on the plain model."""
+    lm, twin = reference("llama"), bridge("llama")
+    clean, corrupted = prompts()
+    _, bridge_cache = twin.run_with_cache(clean)
+    indices = [(0, 2), (1, 4), (1, 5)]
+    expected = resid_mid_reference(lm, indices, clean, corrupted)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            got = safelens.get_act_patch_resid_mid(
+                twin, corrupted, bridge_cache, metric, progress=False
+            )
+        assert (got[_cells(indices)] - expected).abs().max() <= TOL, grad
+    assert (expected - expected[0]).abs().max() > 1e-3  # the patches matter
