@@ -6,7 +6,8 @@ and what cannot run is refused with the reason.
 - Apertus names the norm before its MLP `feedforward_layernorm`: `resid_mid` is its input.
 - BLOOM's attention and MLP add the residual stream to their own outputs, so those
   outputs are `resid_mid` and `resid_post`: `attn_out` and `mlp_out` are refused there,
-  and left out of the clean cache.
+  and left out of the clean cache; its attention computes outside transformers'
+  attention functions, so attribution's QK fix of keys is refused, saying to turn it off.
 - A model with layers that keep another state than keys and values (LFM2's convolutions,
   MiniMax's linear attention) is refused by every entry point, naming the layer.
 
@@ -114,12 +115,16 @@ def test_an_mlp_norm_named_feedforward_layernorm_is_patched_as_resid_mid():
     assert (got - expected).abs().max() <= TOL
 
 
-def test_modules_that_add_the_residual_stream_are_refused_as_attn_out_and_mlp_out():
-    lm = _model(
+def _bloom() -> torch.nn.Module:
+    return _model(
         transformers.BloomConfig(
             **hf_models.SPECIAL, hidden_size=32, n_layer=2, n_head=4, initializer_range=0.2
         )
-    )  # fmt: skip
+    )
+
+
+def test_modules_that_add_the_residual_stream_are_refused_as_attn_out_and_mlp_out():
+    lm = _bloom()
     clean, corrupted = prompts()
     _, clean_cache = run_with_patching_cache(lm, clean)
     assert "blocks.0.hook_attn_out" not in clean_cache
@@ -170,3 +175,17 @@ def test_a_model_with_layers_that_are_not_attention_layers_is_refused(name):
         with pytest.raises(CacheConfigError, match=message):
             run()
         assert not any(module._forward_hooks for module in lm.modules()), call
+
+
+def test_the_qk_fix_on_a_family_without_reachable_queries_says_to_turn_it_off():
+    """BLOOM computes attention itself: no queries or pattern for the QK fix of keys."""
+    lm = _bloom()
+    clean, corrupted = prompts()
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    with pytest.raises(PatchingError, match=r"QK fix for k .* pass qk_fix=False") as raised:
+        safelens.attribution_patch(lm, corrupted, clean_cache, batched, activations=["k", "v"])
+    assert "BloomAttention computes its attention without" in str(raised.value)
+    plain = safelens.attribution_patch(
+        lm, corrupted, clean_cache, batched, activations=["k", "v"], qk_fix=False
+    )
+    assert plain.estimates["k"].shape == (2, 6, 4)

@@ -110,12 +110,25 @@ def plan(
     if backend.family == "hooked":
         _check_hooked_attention(model.cfg, fixed)
     sites: dict[str, Site] = {name: backend.read_site(name) for name in chosen}
-    qk = backend.qk_sites() if fixed else None
+    qk = _qk_sites(backend, chosen, what) if fixed else None
     _check_no_dropout(backend.model)
     if fixed or "pattern" in chosen:
         # The fix and pattern gradients read `hook_pattern`: attention must use its output.
         check_pattern_hook(model, tokens, f"{what}'s {'QK fix' if fixed else 'pattern grid'}")
     return Plan(backend, chosen, sites, qk)
+
+
+def _qk_sites(backend: Any, chosen: Sequence[str], what: str) -> Any:
+    """The QK fix's sites, or a `PatchingError` saying the fix (not the grid) is what fails."""
+    try:
+        return backend.qk_sites()
+    except PatchingError as error:
+        fixed = ", ".join(sorted(FIXED & set(chosen)))
+        raise PatchingError(
+            f"{what}'s QK fix for {fixed} recomputes attention from the queries, keys and "
+            f"pattern, which this model does not expose ({error}); pass qk_fix=False for "
+            f"plain gradient estimates of {fixed}"
+        ) from error
 
 
 def _check_hooked_attention(cfg: Any, qk_fix: bool) -> None:
