@@ -9,7 +9,8 @@ and what cannot run is refused with the reason.
   and left out of the clean cache; its attention computes outside transformers'
   attention functions, so attribution's QK fix of keys is refused, saying to turn it off.
 - A model with layers that keep another state than keys and values (LFM2's convolutions,
-  MiniMax's linear attention) is refused by every entry point, naming the layer.
+  MiniMax's linear attention), or keys and values of two head sizes (DeepSeek-V3's latent
+  attention), is refused by every entry point, naming what does not fit.
 
 Reference: one uncached forward per patch with a PyTorch hook written here. Runs in both
 CI environments.
@@ -144,7 +145,7 @@ def test_modules_that_add_the_residual_stream_are_refused_as_attn_out_and_mlp_ou
     assert (got - expected).abs().max() <= TOL
 
 
-OTHER_LAYERS = {
+UNCACHEABLE = {
     "lfm2 convolutions": (
         lambda: transformers.Lfm2Config(**SIZES, layer_types=["conv", "full_attention"]),
         r"layer 0 is 'conv'",
@@ -155,12 +156,29 @@ OTHER_LAYERS = {
         ),
         r"layer 1 is 'linear_attention'",
     ),
+    "deepseek_v3 latent attention": (
+        lambda: transformers.DeepseekV3Config(
+            **SIZES,
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=8,
+            q_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=8,
+            v_head_dim=6,
+        ),
+        r"multi-head latent attention \(keys of 12 and values of 6 per head",
+    ),
 }
 
 
-@pytest.mark.parametrize("name", sorted(OTHER_LAYERS))
-def test_a_model_with_layers_that_are_not_attention_layers_is_refused(name):
-    config, message = OTHER_LAYERS[name]
+@pytest.mark.parametrize("name", sorted(UNCACHEABLE))
+def test_a_model_whose_cache_safelens_cannot_hold_is_refused(name):
+    config, message = UNCACHEABLE[name]
     lm = _model(config())
     clean, corrupted = prompts()
     calls = {

@@ -37,7 +37,7 @@ from .._sites import Site
 from ._cache import HFKeyValueCache
 from ._layer import HFCacheLayer
 from ._model import (
-    check_attention_layers,
+    check_cacheable,
     forward_cache_argument,
     forward_parameters,
     hf_cache_argument,
@@ -181,7 +181,7 @@ class HFBackend(Backend):
         super().__init__(model)
         self.config = model.config.get_text_config(decoder=True)
         family = getattr(self.config, "model_type", None) or "the model"
-        check_attention_layers(self.config, f"{family} ({type(model).__name__})")
+        check_cacheable(self.config, f"{family} ({type(model).__name__})")
         dims = CacheDimensions.of(_Sizes(self.config))
         self.n_layers, self.n_kv_heads, self.d_head = dims.n_layers, dims.n_kv_heads, dims.d_head
         # What `HFKeyValueCache(config=)` reads, without the config's dtype (the model's

@@ -45,7 +45,7 @@ from ...core._storage import Sequence
 from ._cache_passes import CachePasses
 from ._frozen_pass import FrozenPasses
 from ._layer import HookNaming, check_naming, sliding_windows
-from ._model import check_attention_layers
+from ._model import check_cacheable
 from ._persistence import check_layers_fit, load_layers, save_layers, text_config
 from ._pytree import register_cache_pytree
 
@@ -99,7 +99,7 @@ class HFKeyValueCache(CachePasses):
         self._windows = sliding_windows(config)
         if config is not None:
             text = text_config(config)
-            check_attention_layers(text, f"config {type(config).__name__}")
+            check_cacheable(text, f"config {type(config).__name__}")
             self._grow(CacheDimensions.of(text).n_layers)
         self._frozen = bool(frozen)
         self._user_defined = False

@@ -37,6 +37,7 @@ from ...core._errors import CacheConfigError
 
 __all__ = [
     "check_attention_layers",
+    "check_cacheable",
     "forward_cache_argument",
     "forward_parameters",
     "hf_cache_argument",
@@ -184,4 +185,37 @@ def check_attention_layers(config: Any, what: str) -> None:
             f"{_KEEPS.get(kind, 'a state other than keys and values')}; safelens' cache "
             "holds the keys and values every layer stores and attends "
             f"({', '.join(sorted(ATTENTION_LAYERS))}). Run this model without a safelens cache"
+        )
+
+
+def _key_and_value_sizes(config: Any) -> tuple[int, int] | None:
+    """A config's key and value head sizes where it names them apart (latent attention)."""
+    value = getattr(config, "v_head_dim", None)
+    key = getattr(config, "qk_head_dim", None) or (
+        (getattr(config, "qk_nope_head_dim", None) or 0)
+        + (getattr(config, "qk_rope_head_dim", None) or 0)
+    )
+    if isinstance(value, int) and isinstance(key, int) and key:
+        return key, value
+    return None
+
+
+def check_cacheable(config: Any, what: str) -> None:
+    """Refuse a model (`what`, its text `config`) whose cache safelens cannot hold.
+
+    Its layers must all store keys and values (`check_attention_layers`), of one head
+    size: multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, Kimi, Mistral 4:
+    `kv_lora_rank`) stores keys of `qk_nope_head_dim + qk_rope_head_dim` and values of
+    `v_head_dim` per head.
+
+    **Raises:** [`CacheConfigError`][safelens.CacheConfigError] naming what does not fit.
+    """
+    check_attention_layers(config, what)
+    sizes = _key_and_value_sizes(config)
+    if getattr(config, "kv_lora_rank", None) is not None or (sizes and sizes[0] != sizes[1]):
+        shown = f"keys of {sizes[0]} and values of {sizes[1]} per head" if sizes else "a latent"
+        raise CacheConfigError(
+            f"{what} uses multi-head latent attention ({shown}; kv_lora_rank="
+            f"{getattr(config, 'kv_lora_rank', None)}): safelens' caches hold keys and "
+            "values of one head size. Run this model without a safelens cache"
         )
