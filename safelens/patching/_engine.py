@@ -37,9 +37,10 @@ class Run(NamedTuple):
     """One patched run: where its metric goes in the result, and what it patches.
 
     `slot` is its place in the result (flattened); `layer` the layer of its patch; `pos`
-    the position of its patch (`None`, or 0 on a `HookedTransformer`, for a patch of
-    every position); `head` and `src` its head and source position where the sweep has
-    them; `cell` its row of the sweep's index (a `HookedTransformer`'s patchers read it).
+    the position of its patch (`None` for a patch of every position); `head` and `src`
+    its head and source position where the sweep has them; `cell` its row of the
+    sweep's index (on a `HookedTransformer`, what a user's `patch_setter` and the idle
+    check read).
     """
 
     slot: int

@@ -1,7 +1,9 @@
 """How a sweep on a `HookedTransformer` runs its passes: many patched runs per forward pass.
 
 Every sweep's loop (idle runs, the memory budget, the metric per run) is
-`safelens.patching._engine`'s; here, the passes it runs on a `HookedTransformer`. A patch at layer `l`, position `p` of a causal model changes nothing before layer `l`
+`safelens.patching._engine`'s; here, the passes it runs on a `HookedTransformer`.
+
+A patch at layer `l`, position `p` of a causal model changes nothing before layer `l`
 and nothing before position `p`. So the patched runs of a sweep are grouped by `p`,
 rounded down to a multiple of a span (`safelens.patching._grouping`, as on every
 family); each group shares one frozen [`KeyValueCache`][safelens.KeyValueCache] of the
