@@ -207,3 +207,16 @@ def test_the_qk_fix_on_a_family_without_reachable_queries_says_to_turn_it_off():
         lm, corrupted, clean_cache, batched, activations=["k", "v"], qk_fix=False
     )
     assert plain.estimates["k"].shape == (2, 6, 4)
+
+
+def test_a_model_whose_attention_reads_later_positions_is_refused_a_prefix():
+    """Gemma-3 with `use_bidirectional_attention`: its own cache gives continuations
+    about 1.0 off the uncached run, so no prefix of it is cached."""
+    lm = _model(
+        transformers.Gemma3TextConfig(**SIZES, head_dim=8, use_bidirectional_attention=True)
+    )
+    clean, _ = prompts()
+    message = r"prefill: .*reads later positions \(config.use_bidirectional_attention=True\)"
+    with pytest.raises(CacheConfigError, match=message):
+        safelens.prefill(lm, clean)
+    assert not any(module._forward_hooks for module in lm.modules())

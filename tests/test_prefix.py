@@ -575,3 +575,24 @@ def test_a_tokenizers_left_padding_is_masked_in_every_batch_as_transformer_lens_
         scores = score_continuations(model, prefix.select(row), [full[row, 6:]])
         want = expected[row, 5:7].gather(-1, full[row, 6:, None])[:, 0]
         torch.testing.assert_close(scores.log_probs[0], want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_whose_attention_reads_later_positions_is_refused() -> None:
+    """Its prefix's keys and values depend on the tokens after it: no continuation can
+    reuse them. Without the refusal, continuations scored 0.2-0.6 off an uncached run."""
+    import copy
+
+    from transformer_lens import HookedTransformer
+
+    both_ways = HookedTransformer(make_model().cfg.to_dict() | {"attention_dir": "bidirectional"})
+    one_layer = copy.deepcopy(make_model())
+    one_layer.blocks[1].attn._attention_dir_override = "bidirectional"
+    causal_prefix = prefill(make_model(), tokens(1, 5))
+    for model, why in (
+        (both_ways, r"cfg.attention_dir='bidirectional'"),
+        (one_layer, r"blocks.1.attn attends 'bidirectional'"),
+    ):
+        with pytest.raises(CacheConfigError, match=rf"prefill: .*reads later positions \({why}\)"):
+            prefill(model, tokens(1, 5))
+        with pytest.raises(CacheConfigError, match=r"score_continuations: .*reads later"):
+            score_continuations(model, causal_prefix, [[1, 2]])

@@ -121,6 +121,14 @@ class Backend(ABC):
         construction. **Raises:** [`CacheConfigError`][safelens.CacheConfigError].
         """
 
+    def bidirectional(self) -> str | None:
+        """Why the model's attention reads later positions (a config flag), or `None` (causal).
+
+        A prefix of such a model cannot be cached for continuations: its positions'
+        keys and values depend on the tokens after them.
+        """
+        return None
+
     # -- tokens -------------------------------------------------------------------------
 
     @property

@@ -262,7 +262,9 @@ def prefill(
     `[0, d_vocab)` of at most `n_ctx` positions;
     [`CacheShapeError`][safelens.CacheShapeError] for a mask of the wrong shape or
     values, or a right-padded mask; `TypeError` for a model or `keep_residuals` of the
-    wrong type.
+    wrong type; [`CacheConfigError`][safelens.CacheConfigError] for a model whose
+    attention reads later positions (`attention_dir="bidirectional"`,
+    `use_bidirectional_attention=True`), whose prefix no continuation can reuse.
 
     ```python
     >>> from transformer_lens import HookedTransformer, HookedTransformerConfig
@@ -274,6 +276,7 @@ def prefill(
     ```
     """
     backend = backend_of(model, "prefill")
+    _check_causal(backend, "prefill")
     tokens = _prefix_tokens(backend, tokens_or_text).to(backend.device)
     mask = _prefix_mask(backend, tokens, attention_mask)
     flag(keep_residuals, "keep_residuals")
@@ -339,9 +342,11 @@ def check_prefix(model: Any, prefix: Prefix, what: str) -> Backend:
     **Raises:** `TypeError` for a model or prefix of the wrong type; what
     [`Prefix.check`][safelens.Prefix.check] raises; and
     [`CacheConfigError`][safelens.CacheConfigError] when the prefix was made by another
-    model (its cache or logits do not fit `model`).
+    model (its cache or logits do not fit `model`), or `model`'s attention reads later
+    positions.
     """
     backend = backend_of(model, what)
+    _check_causal(backend, what)
     if not isinstance(prefix, Prefix):
         raise TypeError(
             f"{what} needs a Prefix (from safelens.prefill), got {type(prefix).__name__}; "
@@ -361,3 +366,15 @@ def check_prefix(model: Any, prefix: Prefix, what: str) -> Backend:
             "prefill(model, tokens) with the model you continue it with"
         ) from None
     return backend
+
+
+def _check_causal(backend: Backend, what: str) -> None:
+    """Refuse a model whose attention reads later positions: no prefix of it can be reused."""
+    why = backend.bidirectional()
+    if why is not None:
+        raise CacheConfigError(
+            f"{what}: this model's attention reads later positions ({why}), so each "
+            "position's keys and values depend on the tokens after it, and a cached prefix "
+            "cannot give an uncached run's numbers for what follows it; run the whole "
+            "sequence in one forward pass instead"
+        )

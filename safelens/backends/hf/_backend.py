@@ -203,6 +203,10 @@ class HFBackend(Backend):
     def check_model(self, what: str) -> None:
         hf_cache_argument(self.model)
 
+    def bidirectional(self) -> str | None:
+        flag = getattr(self.config, "use_bidirectional_attention", False)
+        return f"config.use_bidirectional_attention={flag!r}" if flag else None
+
     # -- tokens -------------------------------------------------------------------------
 
     @property

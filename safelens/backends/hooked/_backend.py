@@ -133,6 +133,15 @@ class HookedBackend(Backend):
     def check_model(self, what: str) -> None:
         refuse_ungrouped(self.cfg, what)
 
+    def bidirectional(self) -> str | None:
+        if self.cfg.attention_dir != "causal":
+            return f"cfg.attention_dir={self.cfg.attention_dir!r}"
+        for layer, block in enumerate(self.model.blocks):
+            override = getattr(block.attn, "_attention_dir_override", None)
+            if override not in (None, "causal"):
+                return f"blocks.{layer}.attn attends {override!r}"
+        return None
+
     # -- tokens -------------------------------------------------------------------------
 
     @property
