@@ -14,43 +14,33 @@ from hf_models import ids
 from hf_models import model as hf_model
 
 from safelens.backends._backend import backend_of
+from safelens.patching._engine import Run
 from safelens.patching._grouping import groups, run_rows, with_positions_before
-
-
-def position(run):
-    return run[1]
-
-
-def layer(run):
-    return run[0]
 
 
 def test_runs_group_at_their_position_rounded_down_to_the_span_in_layer_order():
     cells = itertools.product(range(7), (2, 0, 1))
-    runs = [(depth, pos, i) for i, (pos, depth) in enumerate(cells)]
+    runs = [Run(i, depth, pos) for i, (pos, depth) in enumerate(cells)]
     random.Random(0).shuffle(runs)
-    got = groups(runs, (3,), position, layer)
+    got = groups(runs, (3,))
     assert [start for start, _ in got] == [0, 3, 6]
     for start, chunk in got:
-        assert {run[1] for run in chunk} == set(range(start, min(start + 3, 7)))
-        assert [run[0] for run in chunk] == sorted(run[0] for run in chunk)
+        assert {run.pos for run in chunk} == set(range(start, min(start + 3, 7)))
+        assert [run.layer for run in chunk] == sorted(run.layer for run in chunk)
         # runs of one layer keep the order they came in
         for each in (0, 1, 2):
-            mine = [run for run in chunk if run[0] == each]
-            assert mine == [run for run in runs if run[0] == each and run in mine]
+            mine = [run for run in chunk if run.layer == each]
+            assert mine == [run for run in runs if run.layer == each and run in mine]
     assert sorted(run for _, chunk in got for run in chunk) == sorted(runs)
 
 
 def test_a_run_without_a_position_starts_at_zero():
-    runs = [(1, None, 0), (0, 5, 1), (0, None, 2)]
-    assert groups(runs, (4,), position, layer) == [
-        (0, [(0, None, 2), (1, None, 0)]),
-        (4, [(0, 5, 1)]),
-    ]
+    first, second, third = Run(0, 1, None), Run(1, 0, 5), Run(2, 0, None)
+    assert groups([first, second, third], (4,)) == [(0, [third, first]), (4, [second])]
 
 
 def test_the_span_is_the_cheapest_by_the_cost_and_the_first_without_one():
-    runs = [(0, pos, pos) for pos in range(8)]
+    runs = [Run(pos, 0, pos) for pos in range(8)]
 
     def per_pass(start, chunk):  # a pass costs 10, each run its positions from the start
         return 10 + sum(8 - start for _ in chunk)
@@ -58,9 +48,9 @@ def test_the_span_is_the_cheapest_by_the_cost_and_the_first_without_one():
     def per_position(start, chunk):  # passes are free: the smallest span wins
         return sum(8 - start for _ in chunk)
 
-    assert [start for start, _ in groups(runs, (1, 2, 4, 8), position, layer, per_pass)] == [0, 4]
-    assert len(groups(runs, (8, 1, 2), position, layer, per_position)) == 8
-    assert len(groups(runs, (2, 1), position, layer)) == 4
+    assert [start for start, _ in groups(runs, (1, 2, 4, 8), per_pass)] == [0, 4]
+    assert len(groups(runs, (8, 1, 2), per_position)) == 8
+    assert len(groups(runs, (2, 1))) == 4
 
 
 def _family_model(family):

@@ -164,7 +164,7 @@ def sweep(
             group,
             functools.partial(_forward_chunk, model, corrupted, pos, patch=patch, plan=plan),
         )
-        for pos, group in groups(runs, (span,), _position, _layer)
+        for pos, group in groups(runs, (span,))
     ]
     idle_logits = corrupted.logits[:, -1:] if plan.last_only else corrupted.logits
     with torch.no_grad(), shared_prefix_attention(model):
@@ -312,11 +312,3 @@ def _single_position_logits(
     logits = corrupted.logits.repeat(runs, 1, 1)
     logits[:, pos:end] = model(alone, start_at_layer=model.cfg.n_layers)
     return logits
-
-
-def _position(run: Run) -> int | None:
-    return run.pos
-
-
-def _layer(run: Run) -> int:
-    return run.layer

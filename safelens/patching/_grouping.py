@@ -27,33 +27,30 @@ from typing import Any, TypeVar
 
 import torch
 
+from ._engine import Run
+
 __all__ = ["groups", "run_rows", "with_positions_before"]
 
-R = TypeVar("R")
 C = TypeVar("C", bound=Any)
 
 
-def _by_start(
-    runs: Iterable[R], span: int, position: Callable[[R], int | None]
-) -> dict[int, list[R]]:
+def _by_start(runs: Iterable[Run], span: int) -> dict[int, list[Run]]:
     """`runs` by the position their pass starts at: theirs rounded down to a multiple of `span`.
 
     A run without a position (one that patches every position) starts at 0.
     """
-    starts: dict[int, list[R]] = {}
+    starts: dict[int, list[Run]] = {}
     for run in runs:
-        pos = position(run)
+        pos = run.pos
         starts.setdefault(0 if pos is None else pos - pos % span, []).append(run)
     return starts
 
 
 def groups(
-    runs: Sequence[R],
+    runs: Sequence[Run],
     spans: Sequence[int],
-    position: Callable[[R], int | None],
-    layer: Callable[[R], int],
-    cost: Callable[[int, list[R]], float] | None = None,
-) -> list[tuple[int, list[R]]]:
+    cost: Callable[[int, list[Run]], float] | None = None,
+) -> list[tuple[int, list[Run]]]:
     """`(start, runs in layer order)` for each pass start, in order of start (module notes).
 
     The span is the one of `spans` whose groups cost least by `cost(start, runs)`; the
@@ -62,14 +59,16 @@ def groups(
     span = spans[0]
     if cost is not None and len(spans) > 1:
         totals = {
-            each: sum(
-                cost(start, chunk) for start, chunk in _by_start(runs, each, position).items()
-            )
+            each: sum(cost(start, chunk) for start, chunk in _by_start(runs, each).items())
             for each in spans
         }
         span = min(totals, key=totals.__getitem__)
-    grouped = _by_start(runs, span, position)
-    return [(start, sorted(grouped[start], key=layer)) for start in sorted(grouped)]
+    grouped = _by_start(runs, span)
+    return [(start, sorted(grouped[start], key=_layer)) for start in sorted(grouped)]
+
+
+def _layer(run: Run) -> int:
+    return run.layer
 
 
 def run_rows(prefix: C, runs: int, batch: int) -> C:

@@ -98,7 +98,7 @@ def seam_generic(
                 )
             for place, run in at:
                 rows = tensor[place * batch : (place + 1) * batch]
-                index = indices[run[0]]
+                index = indices[run.slot]
                 patched = patch_setter(rows, list(index), clean[layer])
                 patched = rows if patched is None else patched
                 check_setter_result(patched, rows, index)

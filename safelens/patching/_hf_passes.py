@@ -72,8 +72,8 @@ def passes(
         and (site.full is not None or site.activation in _OWN_POSITION)
         and (shortcuts.skips or last == 0)
     )
-    passes = [(last, length - 1, [run for run in runs if run[1] == last])] if late else []
-    runs = [run for run in runs if not (late and run[1] == last)]
+    passes = [(last, length - 1, [run for run in runs if run.layer == last])] if late else []
+    runs = [run for run in runs if not (late and run.layer == last)]
     config = backend.config  # type: ignore[attr-defined]
     d_model = backend.d_model
     d_mlp = getattr(config, "intermediate_size", None) or 4 * d_model
@@ -82,28 +82,20 @@ def passes(
     n_layers = backend.n_layers
 
     def cost(start: int, chunk: list[Run]) -> float:
-        entries = [shortcuts.first_layer(run[1]) for run in chunk]
+        entries = [shortcuts.first_layer(run.layer) for run in chunk]
         overhead = (once + per_layer * (n_layers - min(entries))) / per_position
         return overhead + sum(n_layers - entry for entry in entries) * batch * (length - start)
 
     by_layer: dict[int, list[Run]] = {}
     for run in runs:
-        by_layer.setdefault(0 if shortcuts.stagger else shortcuts.first_layer(run[1]), []).append(
-            run
-        )
+        by_layer.setdefault(
+            0 if shortcuts.stagger else shortcuts.first_layer(run.layer), []
+        ).append(run)
     spans = _SPANS if shortcuts.partial else (length,)
     for group in by_layer.values():
-        for start, chunk in groups(group, spans, _position, _layer, cost):
-            passes.append((shortcuts.first_layer(chunk[0][1]), start, chunk))
+        for start, chunk in groups(group, spans, cost):
+            passes.append((shortcuts.first_layer(chunk[0].layer), start, chunk))
     return sorted(passes, key=lambda item: item[:2]) if shortcuts.stagger else passes
-
-
-def _position(run: Run) -> int | None:
-    return run[2]
-
-
-def _layer(run: Run) -> int:
-    return run[1]
 
 
 class Pass:
@@ -141,7 +133,7 @@ class Pass:
         batch = tokens.shape[0]
         device = tokens.device
         if entries is None:
-            entries = shortcuts.entries(first, runs, [run[1] for run in chunk] or None)
+            entries = shortcuts.entries(first, runs, [run.layer for run in chunk] or None)
         if start:
             prefix = self.corrupted.cropped(start)
             if entries.count(first) < runs:
@@ -160,13 +152,13 @@ class Pass:
         # `passes`' last-layer group: the last position of the last layer alone.
         late = first == backend.n_layers - 1 and start == tokens.shape[1] - 1
         full = late and site.full is not None
-        for layer in sorted({run[1] for run in chunk}):
+        for layer in sorted({run.layer for run in chunk}):
             # A run before `start` is an own-position patch in `passes`' last-layer group:
             # it changes nothing the metric reads, so it runs unpatched.
             at = [
                 i
                 for i, run in enumerate(chunk)
-                if run[1] == layer and (full or run[2] is None or run[2] >= start)
+                if run.layer == layer and (full or run.pos is None or run.pos >= start)
             ]
             if not at:
                 continue
@@ -184,7 +176,7 @@ class Pass:
         hooked = [(hooks[layer], edit) for layer, edit in edits.items() if hooks[layer] is not None]
         inputs = {layer: edit for layer, edit in edits.items() if hooks[layer] is None}
         fwd_hooks = [(name, _as_hook(edit)) for name, edit in hooked]
-        last_patched = any(run[1] == backend.n_layers - 1 for run in chunk)
+        last_patched = any(run.layer == backend.n_layers - 1 for run in chunk)
         taken = shortcuts.taken(first, start, entries, last_patched)
         with taken, site_edits(backend, {site.activation: inputs}):
             with backend.pass_hooks(prefix, fwd_hooks):  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformer_lens import HookedTransformer
 
+from ..backends.hooked._backend import HookedBackend
 from ..backends.hooked._shared_attention import supports
 from ..core._thread_hooks import hooked_anywhere, hooked_here
 from ._metric import reads_last_position
@@ -36,10 +37,7 @@ Hook = Callable[[torch.Tensor, object], torch.Tensor]
 
 def causal(model: HookedTransformer) -> bool:
     """Whether every attention layer of `model` attends only to earlier positions."""
-    return all(
-        (block.attn._attention_dir_override or model.cfg.attention_dir) == "causal"
-        for block in model.blocks
-    )
+    return HookedBackend(model).bidirectional() is None
 
 
 def _last_position(tensor: torch.Tensor, hook: object) -> torch.Tensor:

@@ -36,7 +36,6 @@ import transformers
 from ...core._errors import CacheConfigError
 
 __all__ = [
-    "check_attention_layers",
     "check_cacheable",
     "forward_cache_argument",
     "forward_parameters",
@@ -153,7 +152,7 @@ _KEEPS = {
 }
 
 
-def check_attention_layers(config: Any, what: str) -> None:
+def _check_attention_layers(config: Any, what: str) -> None:
     """Refuse a model (`what`, its text `config`) with a layer that stores no keys and values.
 
     The kinds are transformers' own (`get_layer_types_and_kwargs`, as `DynamicCache`
@@ -203,14 +202,14 @@ def _key_and_value_sizes(config: Any) -> tuple[int, int] | None:
 def check_cacheable(config: Any, what: str) -> None:
     """Refuse a model (`what`, its text `config`) whose cache safelens cannot hold.
 
-    Its layers must all store keys and values (`check_attention_layers`), of one head
+    Its layers must all store keys and values (`_check_attention_layers`), of one head
     size: multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, Kimi, Mistral 4:
     `kv_lora_rank`) stores keys of `qk_nope_head_dim + qk_rope_head_dim` and values of
     `v_head_dim` per head.
 
     **Raises:** [`CacheConfigError`][safelens.CacheConfigError] naming what does not fit.
     """
-    check_attention_layers(config, what)
+    _check_attention_layers(config, what)
     sizes = _key_and_value_sizes(config)
     if getattr(config, "kv_lora_rank", None) is not None or (sizes and sizes[0] != sizes[1]):
         shown = f"keys of {sizes[0]} and values of {sizes[1]} per head" if sizes else "a latent"

@@ -134,12 +134,14 @@ class HookedBackend(Backend):
         refuse_ungrouped(self.cfg, what)
 
     def bidirectional(self) -> str | None:
-        if self.cfg.attention_dir != "causal":
-            return f"cfg.attention_dir={self.cfg.attention_dir!r}"
+        """`cfg.attention_dir`, or the first layer whose own override is not causal."""
         for layer, block in enumerate(self.model.blocks):
             override = getattr(block.attn, "_attention_dir_override", None)
-            if override not in (None, "causal"):
-                return f"blocks.{layer}.attn attends {override!r}"
+            if (override or self.cfg.attention_dir) == "causal":
+                continue
+            if override is None:
+                return f"cfg.attention_dir={self.cfg.attention_dir!r}"
+            return f"blocks.{layer}.attn attends {override!r}"
         return None
 
     # -- tokens -------------------------------------------------------------------------
