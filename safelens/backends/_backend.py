@@ -45,6 +45,7 @@ __all__ = [
     "FwdHooks",
     "NamesFilter",
     "backend_of",
+    "family_of",
 ]
 
 NamesFilter = str | Seq[str] | Callable[[str], bool]
@@ -349,12 +350,28 @@ class Backend(ABC):
         }
 
 
-# (class name in the MRO, its top-level module, the adapter module, the adapter class)
+# (family, class name in the MRO, its top-level module, the adapter module, the adapter
+# class); a bridge subclasses no HuggingFace class, but is looked for first all the same.
 _FAMILIES = (
-    ("TransformerBridge", "transformer_lens", ".bridge._backend", "BridgeBackend"),
-    ("HookedTransformer", "transformer_lens", ".hooked._backend", "HookedBackend"),
-    ("GenerationMixin", "transformers", ".hf._backend", "HFBackend"),
+    ("bridge", "TransformerBridge", "transformer_lens", ".bridge._backend", "BridgeBackend"),
+    ("hooked", "HookedTransformer", "transformer_lens", ".hooked._backend", "HookedBackend"),
+    ("hf", "GenerationMixin", "transformers", ".hf._backend", "HFBackend"),
 )
+
+
+def family_of(model: Any) -> str | None:
+    """`model`'s family (`Backend.family`: "hooked", "bridge" or "hf"), read from its classes.
+
+    `None` for a model of no known family. Nothing is imported and nothing is checked:
+    [`backend_of`][safelens.backends._backend.backend_of] builds and checks the adapter.
+    """
+    if isinstance(model, Backend):
+        return model.family
+    ancestry = ancestry_of(model)
+    for family, name, library, _, _ in _FAMILIES:
+        if any(n == name and m.split(".")[0] == library for m, n in ancestry):
+            return family
+    return None
 
 
 def backend_of(model: Any, what: str = "safelens") -> Backend:
@@ -379,9 +396,9 @@ def backend_of(model: Any, what: str = "safelens") -> Backend:
     """
     if isinstance(model, Backend):
         return model
-    ancestry = ancestry_of(model)
-    for name, library, module, adapter in _FAMILIES:
-        if any(n == name and m.split(".")[0] == library for m, n in ancestry):
+    family = family_of(model)
+    for name, _, _, module, adapter in _FAMILIES:
+        if name == family:
             backend: Backend = getattr(import_module(module, __package__), adapter)(model)
             backend.check_model(what)
             return backend

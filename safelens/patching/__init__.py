@@ -36,6 +36,8 @@ and the metric (`_metric`). What runs one pass is the family's, as `Backend.forw
 on a `HookedTransformer` `_grid` with its shortcuts in `_plan` (TransformerLens'
 `start_at_layer`, its own attention path); on a HuggingFace model or a bridge
 `_hf_passes` with `_hf_shortcuts` and `_hf_lean` (checked on the model once per sweep).
+`_runners` is the one place that reads a model's family: every sweep, the bundles,
+`generic_activation_patch` and `patch_dataset` ask it for the family's runner.
 """
 
 from importlib import import_module

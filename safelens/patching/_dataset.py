@@ -38,7 +38,7 @@ import torch
 from jaxtyping import Int
 from tqdm import tqdm
 
-from ..backends._backend import Backend, backend_of
+from ..backends._backend import Backend
 from ..backends._supported import SupportedModel
 from ..core._arguments import described, flag, is_int, positive_int
 from ..core._errors import PatchingError
@@ -46,9 +46,9 @@ from ..core._repr import summary_repr
 from ..core._tokens import check_tokens
 from ..experiments._prefix import token_limits
 from ._dataset_chunks import PairMetric, pairs_per_chunk, patched_chunk
-from ._hf_sweeps import is_seam_model
 from ._limits import DEFAULT_MAX_BYTES
 from ._metric import check_metric
+from ._runners import runner_of
 
 __all__ = [
     "PatchingResult",
@@ -88,23 +88,7 @@ class PatchingResult:
 
 def dataset_backend(model: Any) -> Backend:
     """`model`'s adapter (sizes, device, family), or a `PatchingError` naming what arrived."""
-    if is_seam_model(model):
-        return backend_of(model, "patch_dataset")
-    if any(
-        (cls.__module__.partition(".")[0], cls.__name__)
-        == ("transformer_lens", "HookedTransformer")
-        for cls in type(model).__mro__
-    ):
-        # Not `backend_of`, whose check refuses what only cached passes cannot run
-        # (`ungroup_grouped_query_attention`): the sweeps run every HookedTransformer.
-        from ..backends.hooked._backend import HookedBackend
-
-        return HookedBackend(model)
-    raise PatchingError(
-        f"model must be a HookedTransformer, a TransformerBridge or a HuggingFace causal LM "
-        f"(a PreTrainedModel with generate), got {type(model).__name__}; pass the model the "
-        "sweep runs on, not a submodule or a wrapper of it"
-    )
+    return runner_of(model).backend(model)
 
 
 def check_options(

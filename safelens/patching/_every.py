@@ -41,18 +41,12 @@ from typing import Any
 import torch
 from jaxtyping import Float, Int
 
-from ..backends._backend import backend_of
-from ..backends._sites import TL_NAMES
 from ..backends._supported import SupportedModel
-from ..core._errors import PatchingError
-from ._clean_cache import CLEAN_CACHE_OF, backend_sizes, check_clean_cache, hooked_sizes
-from ._hf_sites import _tokens, clean_activation
-from ._hf_sweeps import is_seam_model
-from ._pattern_hook import check_pattern_hook
 from ._patterns import (
     get_act_patch_attn_head_pattern_all_pos,
     get_act_patch_attn_head_pattern_by_pos,
 )
+from ._runners import runner_of
 from ._sweeps import (
     DEFAULT_MAX_BYTES,
     Metric,
@@ -78,71 +72,6 @@ __all__ = [
 Sweep = Callable[..., Any]
 
 
-def _check_seam_model(
-    model: Any, corrupted_tokens: Any, clean_cache: Any, activations: Sequence[str], bundle: str
-) -> None:
-    """On a bridge or HuggingFace model, a `PatchingError` for a sweep that cannot run there.
-
-    Each activation must have a site on the model and its clean tensor of every layer
-    (checked as the sweep checks it) in `clean_cache`.
-    """
-    backend = backend_of(model, bundle)
-    tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
-    check_clean_cache(clean_cache, backend_sizes(backend), CLEAN_CACHE_OF[backend.family])
-    # The pattern last: its probe pass (which says why a bridge may not have it) after
-    # the checks that need no forward pass.
-    for activation in sorted(activations, key=lambda activation: activation == "pattern"):
-        if activation == "pattern":
-            check_pattern_hook(model, tokens, bundle)
-        try:
-            site = backend.patch_site(activation, clean_cache)
-            for layer in range(backend.n_layers):
-                site.hook(layer)
-                clean_activation(backend, site, clean_cache, layer, *tokens.shape)
-        except PatchingError as error:
-            raise PatchingError(
-                f"{bundle} stacks sweeps of {', '.join(activations)}, and cannot sweep "
-                f"{activation!r} here: {error}"
-            ) from None
-
-
-def _check_clean_cache(
-    model: Any,
-    corrupted_tokens: Any,
-    clean_cache: Any,
-    activations: Sequence[str],
-    bundle: str,
-) -> None:
-    """A `PatchingError` before any sweep runs if `clean_cache` lacks what one patches.
-
-    Other inputs (model, tokens, shapes, limits) are checked by the first sweep, before
-    it runs anything.
-    """
-    if is_seam_model(model):
-        _check_seam_model(model, corrupted_tokens, clean_cache, activations, bundle)
-        return
-    if not hasattr(model, "cfg"):
-        return
-    check_clean_cache(clean_cache, hooked_sizes(model.cfg), CLEAN_CACHE_OF["hooked"])
-    for activation in activations:
-        for layer in range(model.cfg.n_layers):
-            name = f"blocks.{layer}.{TL_NAMES[activation]}"
-            try:
-                clean_cache[name]
-            except KeyError:
-                fix = (
-                    "the model is attention-only (cfg.attn_only=True) and has no MLP output; "
-                    "call get_act_patch_resid_pre and get_act_patch_attn_out instead"
-                    if model.cfg.attn_only and "mlp" in name
-                    else "run the clean prompt with model.run_with_cache(clean_tokens), "
-                    "without a names_filter, and pass that cache"
-                )
-                raise PatchingError(
-                    f"clean_cache has no activation {name!r}, which {bundle} patches (it "
-                    f"stacks sweeps of {', '.join(activations)}); {fix}"
-                ) from None
-
-
 def _stack(
     sweeps: Sequence[tuple[Sweep, str]],
     bundle: str,
@@ -155,7 +84,10 @@ def _stack(
     progress: bool,
 ) -> torch.Tensor:
     """Every sweep's result, its last axis zero-padded to the first's, stacked on axis 0."""
-    _check_clean_cache(model, corrupted_tokens, clean_cache, [name for _, name in sweeps], bundle)
+    # Before any sweep runs: what the first sweep would not see (the last sweeps' sites
+    # and clean activations). Other inputs are checked by the first sweep, before it runs.
+    activations = [name for _, name in sweeps]
+    runner_of(model).check_bundle(model, corrupted_tokens, clean_cache, activations, bundle)
     results: list[torch.Tensor] = []
     for sweep, _ in sweeps:
         result = sweep(

@@ -25,10 +25,9 @@ from jaxtyping import Int
 
 from ..backends._supported import SupportedModel
 from ..core._errors import PatchingError
-from ._hf_sweeps import is_seam_model
-from ._hooked_sweeps import hooked_generic
 from ._limits import DEFAULT_MAX_BYTES
 from ._metric import Metric
+from ._runners import runner_of
 
 if TYPE_CHECKING:
     from transformer_lens import ActivationCache
@@ -106,12 +105,7 @@ def generic_activation_patch(
             f"activation_name must be a str such as 'resid_pre', 'z' or 'k', as "
             f"get_act_name spells it, got {type(activation_name).__name__} {activation_name!r}"
         )
-    generic = hooked_generic
-    if is_seam_model(model):
-        from ._hf_generic import seam_generic
-
-        generic = seam_generic
-    result, index_df = generic(
+    result, index_df = runner_of(model).generic(
         model,
         corrupted_tokens,
         clean_cache,

@@ -1,8 +1,8 @@
 """Patching sweeps on a TransformerBridge or a HuggingFace causal LM, many runs per pass.
 
-The `get_act_patch_*` sweeps dispatch here for a model that is not a
-`HookedTransformer` ([`backend_of`][safelens.backends._backend.backend_of]): a
-TransformerBridge or a plain HuggingFace causal LM. Where each sweep patches, and what
+The runner of a TransformerBridge and of a plain HuggingFace causal LM
+(`safelens.patching._runners`): the named sweeps, the pattern sweeps and the `*_every`
+bundles' checks. Where each sweep patches, and what
 the clean cache is, is `safelens.patching._hf_sites`' table. The corrupted prompt runs
 once into a frozen [`HFKeyValueCache`][safelens.HFKeyValueCache]. A patch at layer `l`,
 position `p` (an attention pattern's destination position: the row it patches spans
@@ -37,6 +37,7 @@ everything else a sweep attaches acts on its own thread only.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,20 +55,14 @@ from ._hf_shortcuts import Shortcuts, captured, tolerance
 from ._hf_sites import _tokens, clean_activation
 from ._limits import _check_limits, rows_within
 from ._metric import Metric
+from ._pattern_hook import check_pattern_hook
+from ._setters import SweepKeywords
 from ._unchanged import idle_runs, seeing
 
-__all__ = ["Editor", "Run", "is_seam_model", "run_sweep", "seam_patch"]
+__all__ = ["Editor", "Run", "check_seam_bundle", "run_sweep", "seam_patch", "seam_pattern"]
 
 # Sites a bridge's plain HuggingFace model may run for it (`_on_plain_model`).
 _ON_PLAIN_MODEL = frozenset({"resid_pre", "attn_out", "mlp_out", "k", "v"})
-
-
-def is_seam_model(model: Any) -> bool:
-    """Whether `model` is a TransformerBridge or a HuggingFace causal LM (by its classes)."""
-    families = {("transformer_lens", "TransformerBridge"), ("transformers", "GenerationMixin")}
-    return any(
-        (cls.__module__.partition(".")[0], cls.__name__) in families for cls in type(model).__mro__
-    )
 
 
 def _rows_limit(backend: Backend, new: int, length: int, max_bytes: int) -> int:
@@ -130,6 +125,50 @@ def seam_patch(
     return run_sweep(
         backend, site, tokens, clean, runs, shape, patching_metric, max_batch, max_bytes, progress
     )
+
+
+def check_seam_bundle(
+    model: Any, corrupted_tokens: Any, clean_cache: Any, activations: Sequence[str], bundle: str
+) -> None:
+    """A `PatchingError` for a sweep of a `*_every` `bundle` that cannot run on this bridge or HF model.
+
+    Each activation must have a site on the model and its clean tensor of every layer
+    (checked as the sweep checks it) in `clean_cache`.
+    """
+    backend = backend_of(model, bundle)
+    tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
+    check_clean_cache(clean_cache, backend_sizes(backend), CLEAN_CACHE_OF[backend.family])
+    # The pattern last: its probe pass (which says why a bridge may not have it) after
+    # the checks that need no forward pass.
+    for activation in sorted(activations, key=lambda activation: activation == "pattern"):
+        if activation == "pattern":
+            check_pattern_hook(model, tokens, bundle)
+        try:
+            site = backend.patch_site(activation, clean_cache)
+            for layer in range(backend.n_layers):
+                site.hook(layer)
+                clean_activation(backend, site, clean_cache, layer, *tokens.shape)
+        except PatchingError as error:
+            raise PatchingError(
+                f"{bundle} stacks sweeps of {', '.join(activations)}, and cannot sweep "
+                f"{activation!r} here: {error}"
+            ) from None
+
+
+def seam_pattern(
+    keywords: SweepKeywords, sweep: str, model: Any, corrupted_tokens: torch.Tensor, *rest: Any
+) -> torch.Tensor:
+    """A pattern sweep (`sweep`, over `keywords`' axes) in TransformerLens' order, head second.
+
+    `rest` is `clean_cache, patching_metric, max_batch, max_bytes, progress`, as
+    `seam_patch` takes them. A bridge whose attention ignores what `hook_pattern`
+    returns is refused first (`safelens.patching._pattern_hook`).
+    """
+    check_pattern_hook(model, corrupted_tokens, sweep)
+    by_pos = "dest_pos" in keywords.index_axis_names
+    by_src = "src_pos" in keywords.index_axis_names
+    swept = seam_patch("pattern", by_pos, True, model, corrupted_tokens, *rest, by_src=by_src)
+    return swept.movedim(-1, 1)
 
 
 def run_sweep(

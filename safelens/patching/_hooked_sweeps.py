@@ -19,18 +19,21 @@ it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import pandas as pd
 import torch
 from jaxtyping import Int
 
-from ..backends._sites import tl_site
+from ..backends._backend import Backend
+from ..backends._sites import TL_NAMES, tl_site
 from ..backends._supported import SupportedModel
+from ..core._errors import PatchingError
+from ._clean_cache import CLEAN_CACHE_OF, check_clean_cache, hooked_sizes
 from ._engine import Run, patch_index, put
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
 from ._metric import Metric
-from ._setters import Setter
+from ._setters import Setter, SweepKeywords
 from ._unchanged import known_setter_axes, marked, unchanged
 
 if TYPE_CHECKING:
@@ -38,7 +41,13 @@ if TYPE_CHECKING:
 
     from ._inputs import _Sweep
 
-__all__ = ["hooked_generic", "hooked_patch"]
+__all__ = [
+    "check_hooked_bundle",
+    "hooked_backend",
+    "hooked_generic",
+    "hooked_patch",
+    "hooked_pattern",
+]
 
 
 def _patcher(sweep: _Sweep) -> Callable[..., None]:
@@ -164,3 +173,70 @@ def hooked_generic(
         runs, shape, patch, patching_metric, max_batch, max_bytes, progress, idle=idle
     )
     return result, index_df
+
+
+def check_hooked_bundle(
+    model: HookedTransformer,
+    corrupted_tokens: Any,
+    clean_cache: Any,
+    activations: Sequence[str],
+    bundle: str,
+) -> None:
+    """A `PatchingError` if `clean_cache` lacks what a sweep of a `*_every` `bundle` patches."""
+    check_clean_cache(clean_cache, hooked_sizes(model.cfg), CLEAN_CACHE_OF["hooked"])
+    for activation in activations:
+        for layer in range(model.cfg.n_layers):
+            name = f"blocks.{layer}.{TL_NAMES[activation]}"
+            try:
+                clean_cache[name]
+            except KeyError:
+                fix = (
+                    "the model is attention-only (cfg.attn_only=True) and has no MLP output; "
+                    "call get_act_patch_resid_pre and get_act_patch_attn_out instead"
+                    if model.cfg.attn_only and "mlp" in name
+                    else "run the clean prompt with model.run_with_cache(clean_tokens), "
+                    "without a names_filter, and pass that cache"
+                )
+                raise PatchingError(
+                    f"clean_cache has no activation {name!r}, which {bundle} patches (it "
+                    f"stacks sweeps of {', '.join(activations)}); {fix}"
+                ) from None
+
+
+def hooked_pattern(
+    keywords: SweepKeywords,
+    sweep: str,
+    model: HookedTransformer,
+    corrupted_tokens: Int[torch.Tensor, "batch pos"],
+    clean_cache: ActivationCache,
+    patching_metric: Metric,
+    max_batch: int | None,
+    max_bytes: int,
+    progress: bool,
+) -> torch.Tensor:
+    """A pattern sweep (`sweep`) as TransformerLens builds it: its setter on the generic sweep."""
+    result, _ = hooked_generic(
+        model,
+        corrupted_tokens,
+        clean_cache,
+        patching_metric,
+        keywords.patch_setter,
+        "pattern",
+        keywords.index_axis_names,
+        None,
+        max_batch,
+        max_bytes,
+        progress,
+    )
+    return result
+
+
+def hooked_backend(model: HookedTransformer) -> Backend:
+    """The adapter of a `HookedTransformer` whatever its options.
+
+    Not `backend_of`, whose check refuses what only cached passes cannot run
+    (`ungroup_grouped_query_attention`): the sweeps run every `HookedTransformer`.
+    """
+    from ..backends.hooked._backend import HookedBackend
+
+    return HookedBackend(model)

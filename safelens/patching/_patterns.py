@@ -37,10 +37,9 @@ from jaxtyping import Float, Int
 
 from ..backends._supported import SupportedModel
 from ._generic import generic_activation_patch
-from ._hf_sweeps import is_seam_model, seam_patch
 from ._limits import DEFAULT_MAX_BYTES
 from ._metric import Metric
-from ._pattern_hook import check_pattern_hook
+from ._runners import runner_of
 from ._setters import (
     Setter,
     SweepKeywords,
@@ -90,35 +89,16 @@ def _pattern_sweep(
             max_bytes=max_bytes,
             progress=progress,
         )
-    by_pos = "dest_pos" in keywords.index_axis_names
-    by_src = "src_pos" in keywords.index_axis_names
-    if is_seam_model(model):
-        check_pattern_hook(model, corrupted_tokens, sweep)
-        swept = seam_patch(
-            "pattern",
-            by_pos,
-            True,
-            model,
-            corrupted_tokens,
-            clean_cache,
-            patching_metric,
-            max_batch,
-            max_bytes,
-            progress,
-            by_src=by_src,
-        )
-        return swept.movedim(-1, 1)
-    return generic_activation_patch(
-        model,  # type: ignore[arg-type]
+    return runner_of(model).pattern(
+        keywords,
+        sweep,
+        model,
         corrupted_tokens,
         clean_cache,
         patching_metric,
-        keywords.patch_setter,
-        "pattern",
-        keywords.index_axis_names,  # type: ignore[arg-type]
-        max_batch=max_batch,
-        max_bytes=max_bytes,
-        progress=progress,
+        max_batch,
+        max_bytes,
+        progress,
     )
 
 

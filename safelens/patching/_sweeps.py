@@ -9,8 +9,9 @@ from the corrupted run's frozen key/value cache: a patch at layer `l`, position 
 causal model only runs positions `p:` and layers `l:` (see `safelens.patching._grid`).
 Every input is checked before the first patched run (see `safelens.patching._inputs`).
 
-Models: a `HookedTransformer` runs in `safelens.patching._hooked_sweeps`. A
-TransformerBridge or a HuggingFace causal LM goes to `safelens.patching._hf_sweeps` (keys
+Models: each sweep runs on its model family's runner (`safelens.patching._runners`): a
+`HookedTransformer` in `safelens.patching._hooked_sweeps`, a TransformerBridge or a
+HuggingFace causal LM in `safelens.patching._hf_sweeps` (keys
 and queries patched after the rotary embedding, the same patch at one position;
 `resid_mid` refused in families that run attention and MLP in parallel), so this module
 imports without `HookedTransformer`, which TransformerLens 4 removed. A call that
@@ -42,7 +43,7 @@ Caveat: positions before a patch are taken from the corrupted run, so a custom
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
@@ -51,10 +52,9 @@ from jaxtyping import Int
 from ..backends._sites import TL_NAMES
 from ..backends._supported import SupportedModel
 from ._generic import AxisName, PatchSetter, generic_activation_patch
-from ._hf_sweeps import is_seam_model, seam_patch
-from ._hooked_sweeps import hooked_patch
 from ._limits import DEFAULT_MAX_BYTES
 from ._metric import Metric
+from ._runners import runner_of
 from ._setters import (
     SweepKeywords,
     layer_head_vector_patch_setter,
@@ -63,7 +63,7 @@ from ._setters import (
 )
 
 if TYPE_CHECKING:
-    from transformer_lens import ActivationCache, HookedTransformer
+    from transformer_lens import ActivationCache
 
 
 __all__ = [
@@ -139,24 +139,11 @@ def _sweep_function(
                 max_bytes=max_bytes,
                 progress=progress,
             )
-        if is_seam_model(model):
-            return seam_patch(
-                activation,
-                by_pos,
-                with_head,
-                model,
-                corrupted_tokens,
-                clean_cache,
-                patching_metric,
-                max_batch,
-                max_bytes,
-                progress,
-            )
-        return hooked_patch(
+        return runner_of(model).patch(
             activation,
             by_pos,
             with_head,
-            cast("HookedTransformer", model),  # neither a bridge nor an HF model
+            model,
             corrupted_tokens,
             clean_cache,
             patching_metric,

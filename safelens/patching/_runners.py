@@ -1,0 +1,91 @@
+"""The one place the patching package reads a model's family: the runner its sweeps take.
+
+What a sweep does is written once, whatever the model: its runs, the loop that scores
+them, the memory budget and the patch writer (`safelens.patching._engine`), grouping
+runs into passes on the corrupted run's frozen cache (`_grouping`), setting apart
+patches that write what the corrupted run holds (`_unchanged`), what a patched run may
+skip (`_skips`), the metric (`_metric`). Each adapter declares its sites
+(`Backend.patch_site`). What is the family's is how one pass runs on the model:
+
+- a `HookedTransformer` runs layer by layer through `start_at_layer`, with safelens'
+  attention path (`safelens.patching._hooked_sweeps`, `_grid`, `_plan`);
+- a TransformerBridge or a HuggingFace causal LM runs its own forward, with hooks at
+  the seams of its decoder layers (`safelens.patching._hf_sweeps`, `_hf_passes`,
+  `_hf_shortcuts`).
+
+`runner_of(model)` picks the runner by the model's classes
+([`family_of`][safelens.backends._backend.family_of]) and refuses any other model with
+a `PatchingError` naming what arrived. The named sweeps, the pattern sweeps, the
+`*_every` bundles, `generic_activation_patch` and `patch_dataset` ask it, and nothing
+else reads the family. The `HookedTransformer` runner imports TransformerLens'
+`HookedTransformer` only when it runs, so this module loads on TransformerLens 4.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+import torch
+
+from ..backends._backend import Backend, backend_of, family_of
+from ..core._errors import PatchingError
+from ._hf_generic import seam_generic
+from ._hf_sweeps import check_seam_bundle, seam_patch, seam_pattern
+from ._hooked_sweeps import (
+    check_hooked_bundle,
+    hooked_backend,
+    hooked_generic,
+    hooked_patch,
+    hooked_pattern,
+)
+
+__all__ = ["Runner", "runner_of"]
+
+
+@dataclass(frozen=True)
+class Runner:
+    """How one family's sweeps run: each field is that family's function.
+
+    - `patch(activation, by_pos, with_head, model, corrupted_tokens, clean_cache,
+      metric, *, max_batch, max_bytes, progress)`: a named sweep's result.
+    - `pattern(keywords, sweep, model, corrupted_tokens, clean_cache, metric,
+      max_batch, max_bytes, progress)`: a pattern sweep's, head second.
+    - `generic(model, corrupted_tokens, clean_cache, metric, patch_setter,
+      activation_name, index_axis_names, index_df, max_batch, max_bytes, progress)`:
+      `generic_activation_patch`'s result and index rows.
+    - `check_bundle(model, corrupted_tokens, clean_cache, activations, bundle)`: a
+      `PatchingError` before a `*_every` bundle's first sweep for what a later one lacks.
+    - `backend(model)`: the model's adapter, for `patch_dataset`.
+    """
+
+    patch: Callable[..., torch.Tensor]
+    pattern: Callable[..., torch.Tensor]
+    generic: Callable[..., tuple[torch.Tensor, pd.DataFrame]]
+    check_bundle: Callable[..., None]
+    backend: Callable[[Any], Backend]
+
+
+_HOOKED = Runner(hooked_patch, hooked_pattern, hooked_generic, check_hooked_bundle, hooked_backend)
+_SEAMS = Runner(
+    seam_patch,
+    seam_pattern,
+    seam_generic,
+    check_seam_bundle,
+    lambda model: backend_of(model, "patch_dataset"),
+)
+_RUNNERS = {"hooked": _HOOKED, "bridge": _SEAMS, "hf": _SEAMS}
+
+
+def runner_of(model: Any) -> Runner:
+    """The runner of `model`'s family, or a `PatchingError` naming what arrived."""
+    family = family_of(model)
+    if family is None or isinstance(model, Backend):
+        raise PatchingError(
+            f"model must be a HookedTransformer, a TransformerBridge or a HuggingFace causal "
+            f"LM (a PreTrainedModel with generate), got {type(model).__name__}; pass the "
+            "model the sweep runs on, not a submodule or a wrapper of it"
+        )
+    return _RUNNERS[family]
