@@ -34,7 +34,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import transformers
@@ -43,7 +43,8 @@ from tqdm import tqdm
 
 warnings.filterwarnings("ignore", message="HookedTransformer is deprecated")
 
-from transformer_lens import HookedTransformer, HookedTransformerConfig  # noqa: E402
+if TYPE_CHECKING:  # imported where it is built: `hf=True` runs on TransformerLens 4 too
+    from transformer_lens import HookedTransformer
 
 VOCAB = 48
 """Random tokens are `1 … VOCAB`; token 0 is BOS."""
@@ -134,6 +135,8 @@ def build_hf_model(seed: int) -> transformers.LlamaForCausalLM:
 
 def build_model(seed: int) -> HookedTransformer:
     """The untrained demonstration model: 2 attention-only layers of 4 heads."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
     cfg = HookedTransformerConfig(
         n_layers=2,
         d_model=64,
@@ -163,10 +166,15 @@ def repeated(segment: Int[torch.Tensor, "n length"]) -> Int[torch.Tensor, "n pos
     return torch.cat([bos, segment, segment], dim=1)
 
 
+def is_huggingface(model: torch.nn.Module) -> bool:
+    """Whether `model` is the HuggingFace demonstration model (else the `HookedTransformer`)."""
+    return isinstance(model, transformers.PreTrainedModel)
+
+
 def logits_of(model: torch.nn.Module, tokens: Int[torch.Tensor, "n pos"]) -> torch.Tensor:
     """`[n, pos, d_vocab]` logits of a `HookedTransformer` or a HuggingFace causal LM."""
     out = model(tokens)
-    return out if isinstance(model, HookedTransformer) else out.logits
+    return out.logits if is_huggingface(model) else out
 
 
 def attention_patterns(
@@ -174,11 +182,11 @@ def attention_patterns(
 ) -> Float[torch.Tensor, "layer n head q k"]:
     """Every head's attention pattern: TransformerLens' `hook_pattern`, HF's eager weights."""
     with torch.no_grad():
-        if isinstance(model, HookedTransformer):
-            names = [f"blocks.{layer}.attn.hook_pattern" for layer in range(model.cfg.n_layers)]
-            _, cache = model.run_with_cache(tokens, names_filter=names)
-            return torch.stack([cache[name] for name in names])
-        return torch.stack(model(tokens, output_attentions=True).attentions)
+        if is_huggingface(model):
+            return torch.stack(model(tokens, output_attentions=True).attentions)
+        names = [f"blocks.{layer}.attn.hook_pattern" for layer in range(model.cfg.n_layers)]
+        _, cache = model.run_with_cache(tokens, names_filter=names)
+        return torch.stack([cache[name] for name in names])
 
 
 def repeat_accuracy(model: torch.nn.Module, tokens: Int[torch.Tensor, "n pos"]) -> float:

@@ -43,11 +43,11 @@ from _induction import (
     InductionData,
     attention_patterns,
     head_scores,
+    is_huggingface,
     logits_of,
     one_thread,
     train_induction_model,
 )
-from transformer_lens import HookedTransformer
 
 import safelens
 
@@ -143,10 +143,10 @@ def locate(
 ) -> dict[str, Any]:
     """Step 3: key/value patching sweeps from the clean into the corrupted prompts."""
     with torch.no_grad():
-        if isinstance(model, HookedTransformer):
-            clean_logits, clean_cache = model.run_with_cache(data.clean)
-        else:
+        if is_huggingface(model):
             clean_logits, clean_cache = safelens.run_with_patching_cache(model, data.clean)
+        else:
+            clean_logits, clean_cache = model.run_with_cache(data.clean)
         corrupted_logits = logits_of(model, data.corrupted)
     metric = AnswerLogProb(clean_logits, corrupted_logits, data.answers)
     sweeps = {}

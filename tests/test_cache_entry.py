@@ -55,6 +55,7 @@ def test_past_keys_and_past_values_are_writable():
     assert torch.equal(entry.past_keys, kv(pos=2, seed=2)[0])
 
 
+@pytest.mark.hooked_transformer
 def test_init_cache_entry_matches_transformer_lens():
     from transformer_lens import HookedTransformerConfig
 
