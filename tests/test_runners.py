@@ -11,6 +11,7 @@ about `HookedTransformer`'s removal. Runs in both CI environments.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -103,3 +104,30 @@ def test_the_causal_lm_around_a_refused_decoder_runs():
     _, cache = safelens.run_with_patching_cache(lm, hf_models.ids(1, 4, seed=2))
     result = patching.get_act_patch_resid_pre(lm, tokens, cache, _metric, progress=False)
     assert result.shape == (lm.config.num_hidden_layers, 4)
+
+
+def _wrappers(lm: torch.nn.Module) -> dict[str, tuple[Any, str]]:
+    """Wrappers of `lm` a user may hold instead of it: (the wrapper, where it keeps `lm`)."""
+    from nnsight import TransformersModel
+
+    nnsight_model = TransformersModel(lm, tokenizer=hf_models.tokenizer(), task="text-generation")
+    with warnings.catch_warnings():  # torch's own, importing its compiler
+        warnings.simplefilter("ignore", DeprecationWarning)
+        compiled = torch.compile(lm)
+    return {
+        "nnsight": (nnsight_model, "_module"),
+        "compiled": (compiled, "_orig_mod"),
+        "data_parallel": (torch.nn.DataParallel(lm), "module"),
+    }
+
+
+@pytest.mark.parametrize("wrapper", ["nnsight", "compiled", "data_parallel"])
+def test_a_wrapper_of_a_model_is_refused_saying_where_the_model_is(wrapper):
+    lm = hf_models.model("llama")
+    wrapped, attribute = _wrappers(lm)[wrapper]
+    assert getattr(wrapped, attribute) is lm
+    hint = rf"{type(wrapped).__name__} wraps a LlamaForCausalLM: pass that model \(`model\.{attribute}`\)"
+    with pytest.raises(PatchingError, match=hint):
+        patching.get_act_patch_resid_pre(wrapped, hf_models.ids(1, 4), {}, _metric, progress=False)
+    with pytest.raises(TypeError, match=hint):
+        safelens.prefill(wrapped, hf_models.ids(1, 4))

@@ -46,6 +46,7 @@ __all__ = [
     "NamesFilter",
     "backend_of",
     "family_of",
+    "wrapper_hint",
 ]
 
 NamesFilter = str | Seq[str] | Callable[[str], bool]
@@ -374,6 +375,29 @@ def family_of(model: Any) -> str | None:
     return None
 
 
+# Where common wrappers keep the model they wrap: nnsight's `NNsight` / `TransformersModel`,
+# `torch.compile`'s `OptimizedModule`, `DataParallel` and `DistributedDataParallel`.
+_WRAPPED_AT = ("_module", "_orig_mod", "module")
+
+
+def wrapper_hint(model: Any) -> str:
+    """For a wrapper of a model of a known family, the sentence that says how to unwrap it.
+
+    Empty for anything else. Read by the errors that refuse a model of no family.
+    """
+    for name in _WRAPPED_AT:
+        try:
+            inner = getattr(model, name, None)
+        except Exception:  # noqa: BLE001 - a wrapper whose attribute lookup itself fails
+            continue
+        if inner is not None and inner is not model and family_of(inner) is not None:
+            return (
+                f"; {type(model).__name__} wraps a {type(inner).__name__}: pass that "
+                f"model (`model.{name}`)"
+            )
+    return ""
+
+
 def backend_of(model: Any, what: str = "safelens") -> Backend:
     """The adapter of `model`'s family, recognised without importing other families' libraries.
 
@@ -405,5 +429,5 @@ def backend_of(model: Any, what: str = "safelens") -> Backend:
     raise TypeError(
         f"{what} needs a TransformerLens HookedTransformer as model, got "
         f"{type(model).__name__}; it also takes a TransformerBridge or a HuggingFace causal "
-        "LM (a PreTrainedModel with generate)"
+        f"LM (a PreTrainedModel with generate){wrapper_hint(model)}"
     )

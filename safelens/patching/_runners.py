@@ -30,7 +30,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from ..backends._backend import Backend, backend_of, family_of
+from ..backends._backend import Backend, backend_of, family_of, wrapper_hint
 from ..core._errors import PatchingError
 from ._hf_generic import seam_generic
 from ._hf_sweeps import check_seam_bundle, seam_patch, seam_pattern
@@ -86,6 +86,6 @@ def runner_of(model: Any) -> Runner:
         raise PatchingError(
             f"model must be a HookedTransformer, a TransformerBridge or a HuggingFace causal "
             f"LM (a PreTrainedModel with generate), got {type(model).__name__}; pass the "
-            "model the sweep runs on, not a submodule or a wrapper of it"
+            f"model the sweep runs on, not a submodule or a wrapper of it{wrapper_hint(model)}"
         )
     return _RUNNERS[family]
