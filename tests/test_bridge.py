@@ -35,7 +35,7 @@ from safelens import (
     run_with_hooks,
     score_continuations,
 )
-from safelens.backends._backend import backend_of
+from safelens.backends._families import backend_of
 from safelens.backends.bridge import _cache_pass
 from safelens.backends.bridge._backend import BridgeBackend
 from safelens.backends.bridge._cache_pass import attention_modules, cache_pass

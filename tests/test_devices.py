@@ -18,7 +18,7 @@ import torch
 from split_models import N_LAYERS, cache_devices, experiments, split_llama, unsplit
 
 import safelens
-from safelens.backends._backend import backend_of
+from safelens.backends._families import backend_of
 from safelens.backends.hf._sites import layer_device
 from safelens.patching._hf_sites import clean_activation
 

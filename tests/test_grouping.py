@@ -13,7 +13,7 @@ import torch
 from hf_models import ids
 from hf_models import model as hf_model
 
-from safelens.backends._backend import backend_of
+from safelens.backends._families import backend_of
 from safelens.patching._engine import Run
 from safelens.patching._grouping import groups, run_rows, with_positions_before
 

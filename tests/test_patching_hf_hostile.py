@@ -29,7 +29,7 @@ from transformer_lens import patching
 
 import safelens
 from safelens import PatchingError, SafelensError, run_with_patching_cache
-from safelens.backends._backend import backend_of
+from safelens.backends._families import backend_of
 from safelens.backends.bridge import _cache_pass
 from safelens.backends.hf import _override, _skip
 from safelens.patching import _hf_passes

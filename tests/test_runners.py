@@ -22,7 +22,7 @@ import torch
 import safelens
 import safelens.patching as patching
 from safelens import PatchingError
-from safelens.backends._backend import backend_of
+from safelens.backends._families import backend_of
 
 
 def _metric(logits: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..backends._backend import backend_of
+from ..backends._families import backend_of
 from ..patching._attribution_dataset import (
     AttributionDatasetResult,
     attribution_chunk,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..backends._backend import backend_of
+from ..backends._families import backend_of
 from ..core._arguments import flag, positive_int
 from ..core._tokens import check_tokens
 from ..experiments._continuations import (

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from ..backends._backend import FwdHooks, NamesFilter, backend_of
+from ..backends._backend import FwdHooks, NamesFilter
+from ..backends._families import backend_of
 from ..backends._supported import SupportedModel
 from ..core._arguments import indices
 from ..core._errors import HookError

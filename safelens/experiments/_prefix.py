@@ -33,8 +33,9 @@ from typing import Any
 import torch
 from jaxtyping import Float, Int
 
-from ..backends._backend import Backend, backend_of
+from ..backends._backend import Backend
 from ..backends._cache_ops import cache_ops
+from ..backends._families import backend_of
 from ..backends._supported import SupportedModel
 from ..core._arguments import flag, integer
 from ..core._errors import CacheConfigError, CacheShapeError, FrozenCacheError, TokenError

@@ -35,7 +35,8 @@ from typing import Any, Literal
 
 import torch
 
-from ..backends._backend import FwdHooks, backend_of
+from ..backends._backend import FwdHooks
+from ..backends._families import backend_of
 from ..backends._supported import SupportedModel
 
 __all__ = ["run_with_hooks"]

@@ -41,7 +41,7 @@ import pandas as pd
 import torch
 from jaxtyping import Float, Int
 
-from ..backends._backend import backend_of
+from ..backends._families import backend_of
 from ..backends._sites import Site
 from ..backends._supported import SupportedModel
 from ..core._arguments import positive_int

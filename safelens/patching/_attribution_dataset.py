@@ -25,7 +25,8 @@ import torch
 from jaxtyping import Int
 from tqdm import tqdm
 
-from ..backends._backend import Backend, backend_of
+from ..backends._backend import Backend
+from ..backends._families import backend_of
 from ..experiments._prefix import token_limits
 from ._attribution import effects
 from ._attribution_pass import corrupted_pass

@@ -23,7 +23,8 @@ from typing import Any, Literal
 
 import torch
 
-from ..backends._backend import Backend, backend_of
+from ..backends._backend import Backend
+from ..backends._families import backend_of
 from ..backends._sites import Site
 from ..core._arguments import flag
 from ..core._errors import PatchingError

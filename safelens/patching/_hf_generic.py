@@ -30,7 +30,8 @@ from typing import Any
 import pandas as pd
 import torch
 
-from ..backends._backend import Backend, backend_of
+from ..backends._backend import Backend
+from ..backends._families import backend_of
 from ..backends._sites import TL_NAMES, Site
 from ..core._errors import PatchingError
 from ._clean_cache import CLEAN_CACHE_OF, axes_of, backend_sizes, check_clean_cache, shape_error

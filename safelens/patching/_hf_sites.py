@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from ..backends._backend import Backend, NamesFilter, backend_of
+from ..backends._backend import Backend, NamesFilter
+from ..backends._families import backend_of
 from ..backends._sites import PATTERNS, TL_NAMES, Site
 from ..backends.hf._seams import Edit, seam_edits
 from ..backends.hf._sites import decoder_layers, layer_device

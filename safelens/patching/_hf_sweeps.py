@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 
-from ..backends._backend import Backend, backend_of
+from ..backends._backend import Backend
+from ..backends._families import backend_of
 from ..backends._sites import Site
 from ..core._errors import PatchingError
 from ..core._thread_hooks import hooked_anywhere

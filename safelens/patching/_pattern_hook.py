@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..backends._backend import backend_of
+from ..backends._families import backend_of
 from ..core._errors import PatchingError
 from ._hf_sites import _tokens
 

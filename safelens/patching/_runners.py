@@ -14,7 +14,7 @@ skip (`_skips`), the metric (`_metric`). Each adapter declares its sites
   `_hf_shortcuts`).
 
 `runner_of(model)` picks the runner by the model's classes
-([`family_of`][safelens.backends._backend.family_of]) and refuses any other model with
+([`family_of`][safelens.backends._families.family_of]) and refuses any other model with
 a `PatchingError` naming what arrived. The named sweeps, the pattern sweeps, the
 `*_every` bundles, `generic_activation_patch` and `patch_dataset` ask it, and nothing
 else reads the family. The `HookedTransformer` runner imports TransformerLens'
@@ -30,7 +30,8 @@ from typing import Any
 import pandas as pd
 import torch
 
-from ..backends._backend import Backend, backend_of, family_of, wrapper_hint
+from ..backends._backend import Backend
+from ..backends._families import backend_of, family_of, wrapper_hint
 from ..core._errors import PatchingError
 from ._hf_generic import seam_generic
 from ._hf_sweeps import check_seam_bundle, seam_patch, seam_pattern
