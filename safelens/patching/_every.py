@@ -18,8 +18,8 @@ n_kv_heads`), not query head `g`. With `cfg.ungroup_grouped_query_attention=True
 `HookedTransformer` the k and v sweeps already index `n_heads` heads and nothing is
 padded.
 
-Models: every sweep dispatches on the model itself, so a bundle takes what its sweeps
-take. A `HookedTransformer`, a TransformerBridge and a plain HuggingFace causal LM run
+Models: every sweep runs on its model family's runner (`safelens.patching._runners`), so
+a bundle takes what its sweeps take. A `HookedTransformer`, a TransformerBridge and a plain HuggingFace causal LM run
 all three bundles (on a HuggingFace model at the sites of `safelens.patching._hf_sites`;
 queries, keys and patterns as the attention function sees them). What differs on a
 bridge or HuggingFace model: the k and q rows patch keys and queries after the rotary
@@ -29,7 +29,7 @@ attention does not use `hook_pattern` (see `safelens.patching._pattern_hook`), a
 clean cache is `bridge.run_with_cache`'s; on a HuggingFace model it is
 [`run_with_patching_cache`][safelens.run_with_patching_cache]'s. Whatever the model,
 the clean cache is checked for every activation the bundle patches before its first
-sweep runs. This module imports nothing from TransformerLens, so it loads on
+sweep runs (the runner's `check_bundle`). This module imports nothing from TransformerLens, so it loads on
 TransformerLens 4.
 """
 

@@ -1,8 +1,10 @@
 """The sweeps on a `HookedTransformer`: patchers that write clean activations into stacked runs.
 
-The named sweeps (`safelens.patching._sweeps`) and `generic_activation_patch`
-(`safelens.patching._generic`) run here on a `HookedTransformer` (a TransformerBridge or
-a HuggingFace model goes to `safelens.patching._hf_sweeps` and
+The `HookedTransformer` runner (`safelens.patching._runners`): the named sweeps
+(`safelens.patching._sweeps`), the pattern sweeps (TransformerLens' pattern setters on
+the generic sweep), `generic_activation_patch` (`safelens.patching._generic`), the
+`*_every` bundles' clean-cache check and `patch_dataset`'s adapter (a TransformerBridge
+or a HuggingFace model takes `safelens.patching._hf_sweeps` and
 `safelens.patching._hf_generic`). A sweep is a list
 of runs, one per index of its grid; the runs that would write what the corrupted run
 already holds are set apart (`safelens.patching._unchanged`) and run no pass; the others
