@@ -20,7 +20,7 @@ from ._cache_ops import ancestry_of
 __all__ = ["backend_of", "family_of", "wrapper_hint"]
 
 # (family, class name in the MRO, its top-level module, the adapter module, the adapter
-# class); a bridge subclasses no HuggingFace class, but is looked for first all the same.
+# class), in the order they are looked for.
 _FAMILIES = (
     ("bridge", "TransformerBridge", "transformer_lens", ".bridge._backend", "BridgeBackend"),
     ("hooked", "HookedTransformer", "transformer_lens", ".hooked._backend", "HookedBackend"),
@@ -74,7 +74,8 @@ def backend_of(model: Any, what: str = "safelens") -> Backend:
     that family's adapter is imported.
 
     **Raises:** `TypeError` for a model of no known family, naming `what` (the
-    calling function) and the families.
+    calling function) and the families, and for a wrapper of a model (nnsight's,
+    `torch.compile`'s, `DataParallel`) the attribute that holds it (`wrapper_hint`).
 
     ```python
     >>> from transformers import LlamaConfig, LlamaForCausalLM
