@@ -31,11 +31,9 @@ _FAMILIES = (
 def family_of(model: Any) -> str | None:
     """`model`'s family (`Backend.family`: "hooked", "bridge" or "hf"), read from its classes.
 
-    `None` for a model of no known family. Nothing is imported and nothing is checked:
+    `None` for anything else (an adapter too). Nothing is imported and nothing is checked:
     [`backend_of`][safelens.backends._families.backend_of] builds and checks the adapter.
     """
-    if isinstance(model, Backend):
-        return model.family
     ancestry = ancestry_of(model)
     for family, name, library, _, _ in _FAMILIES:
         if any(n == name and m.split(".")[0] == library for m, n in ancestry):

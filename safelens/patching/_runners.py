@@ -83,7 +83,7 @@ _RUNNERS = {"hooked": _HOOKED, "bridge": _SEAMS, "hf": _SEAMS}
 def runner_of(model: Any) -> Runner:
     """The runner of `model`'s family, or a `PatchingError` naming what arrived."""
     family = family_of(model)
-    if family is None or isinstance(model, Backend):
+    if family is None:
         raise PatchingError(
             f"model must be a HookedTransformer, a TransformerBridge or a HuggingFace causal "
             f"LM (a PreTrainedModel with generate), got {type(model).__name__}; pass the "
