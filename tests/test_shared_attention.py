@@ -337,3 +337,64 @@ def test_a_block_that_raises_in_one_thread_leaves_another_threads_block_working(
         holder.join()
     torch.testing.assert_close(seen[0], reference, atol=1e-5, rtol=1e-5)
     assert not any("forward" in block.attn.__dict__ for block in model.blocks)
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_shared_inputs_map_repeated_rows_once_with_the_same_outputs_and_hooks(kind: str) -> None:
+    from safelens.backends.hooked._shared_attention import shared_inputs
+    from safelens.core._thread_hooks import thread_hooks
+
+    model = make_model(*MODELS[kind])
+    prefix = prefix_cache(model)
+    attn = model.blocks[1].attn
+    generator = torch.Generator().manual_seed(0)
+    head = torch.randn(2, 3, model.cfg.d_model, generator=generator)
+    copy = torch.randn(1, 3, model.cfg.d_model, generator=generator)
+    x = torch.cat([head, copy.expand(3, -1, -1)])  # rows 2: repeat row 2
+    seen: list[tuple[str, tuple[int, ...]]] = []
+    calls = {"projections": 0}
+    project = attn.calculate_qkv_matrices
+
+    def counting(*inputs: torch.Tensor):
+        calls["projections"] += inputs[0].shape[0]
+        return project(*inputs)
+
+    def edit(tensor: torch.Tensor, hook: object) -> torch.Tensor:
+        seen.append((hook.name, tuple(tensor.shape)))  # type: ignore[attr-defined]
+        tensor[3, 1] += 1.0  # a patch of one repeated row, in place
+        return tensor
+
+    points = [(getattr(attn, name), edit) for name in ("hook_q", "hook_k", "hook_v")]
+    with shared_prefix_attention(model), thread_hooks(points):
+        reference = attn(x, x, x, past_kv_cache_entry=expanded(prefix, 5)[1])
+        plain = calls["projections"]
+        attn.calculate_qkv_matrices = counting
+        try:
+            with shared_inputs(2, 1):
+                ours = attn(x, x, x, past_kv_cache_entry=expanded(prefix, 5)[1])
+        finally:
+            del attn.calculate_qkv_matrices
+    assert plain == 0 and calls["projections"] == 3  # two rows of their own and one repeated
+    assert seen[:3] == seen[3:] and [shape[0] for _, shape in seen] == [5] * 6
+    torch.testing.assert_close(ours, reference, atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(ours[3], ours[4])  # the patched copy differs from the others
+
+
+def test_shared_inputs_are_not_taken_under_a_hook_of_transformer_lens_own_list() -> None:
+    from safelens.backends.hooked._shared_attention import shared_inputs
+
+    model = make_model("rotary")
+    prefix = prefix_cache(model)
+    attn = model.blocks[0].attn
+    x = torch.randn(1, 3, model.cfg.d_model, generator=torch.Generator().manual_seed(0))
+    x = x.expand(4, -1, -1).clone()
+    seen: list[int] = []
+    attn.hook_k.add_hook(lambda k, hook: seen.append(k.shape[0]))
+    try:
+        with shared_prefix_attention(model), shared_inputs(0, 1):
+            ours = attn(x, x, x, past_kv_cache_entry=expanded(prefix, 4)[0])
+    finally:
+        attn.hook_k.remove_hooks()
+    reference = attn(x, x, x, past_kv_cache_entry=expanded(prefix, 4)[0])
+    assert seen == [4]
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)

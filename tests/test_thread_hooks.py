@@ -123,3 +123,26 @@ def test_another_threads_pass_while_a_hook_is_half_registered_is_plain(family, m
     assert all(isinstance(logits, torch.Tensor) and torch.equal(logits, plain) for logits in seen)
     for swept, expected in zip(got, serial, strict=True):
         assert torch.equal(swept, expected)
+
+
+def test_suspended_silences_this_threads_own_hooks_only_inside_the_block():
+    from safelens.core._thread_hooks import suspended
+
+    point = torch.nn.Identity()
+    seen: list[str] = []
+
+    def worker() -> None:  # another thread's hooks act while this one is suspended
+        with thread_hooks([(point, lambda tensor, hook: seen.append("worker"))]):
+            point(torch.zeros(1))
+
+    with thread_hooks([(point, lambda tensor, hook: seen.append("main"))]):
+        with suspended():
+            point(torch.zeros(1))
+            with suspended():
+                point(torch.zeros(1))
+            point(torch.zeros(1))  # the inner block restored the outer one's state
+            thread = threading.Thread(target=worker)
+            thread.start()
+            thread.join()
+        point(torch.zeros(1))
+    assert seen == ["worker", "main"]

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LIBRARIES", "Hook", "hooked_anywhere", "hooked_here", "thread_hooks"]
+__all__ = ["LIBRARIES", "Hook", "hooked_anywhere", "hooked_here", "suspended", "thread_hooks"]
 
 # `fn(tensor, hook)`, TransformerLens' hook protocol: returns the new tensor, or `None`.
 Hook = Callable[[torch.Tensor, Any], Any]
@@ -57,6 +57,26 @@ def thread_hooks(points: Sequence[tuple[torch.nn.Module, Hook]]) -> Iterator[Non
             handle.remove()
 
 
+# Per thread: whether its own hooks are suspended (`suspended`).
+_SUSPENDED = threading.local()
+
+
+@contextmanager
+def suspended() -> Iterator[None]:
+    """Within the block, the hooks this thread attached with `thread_hooks` do not act.
+
+    For a pass that computes a piece of the work on fewer rows and hands the hook
+    points the full rows afterwards (`shared_prefix_attention`'s shared inputs): the
+    hooks see each tensor once, at its full shape.
+    """
+    before = getattr(_SUSPENDED, "on", False)
+    _SUSPENDED.on = True
+    try:
+        yield
+    finally:
+        _SUSPENDED.on = before
+
+
 class _ThreadHook:
     """A forward hook that applies `fn` to its point's output in one thread's passes."""
 
@@ -66,7 +86,7 @@ class _ThreadHook:
         self.fn = fn
 
     def __call__(self, module: Any, inputs: Any, output: torch.Tensor) -> Any:
-        if threading.get_ident() != self.thread:
+        if threading.get_ident() != self.thread or getattr(_SUSPENDED, "on", False):
             return None
         return self.fn(output, self.point)
 

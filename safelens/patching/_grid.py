@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,7 @@ from transformer_lens import HookedTransformer
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.utilities import get_attention_mask
 
-from ..backends.hooked._shared_attention import shared_prefix_attention
+from ..backends.hooked._shared_attention import shared_inputs, shared_prefix_attention
 from ..core._cache import KeyValueCache
 from ..core._thread_hooks import Hook, thread_hooks
 from ._engine import Planned, Run, score
@@ -265,7 +266,8 @@ class _Layers:
         mask = None
         if self.mask is not None:
             mask = self.mask[:, : self.start + residual.shape[1]].repeat(copies, 1)
-        with thread_hooks(points):
+        shared = shared_inputs(first, batch) if runs and self.plan.shares_inputs else nullcontext()
+        with thread_hooks(points), shared:
             return model(
                 residual,
                 start_at_layer=layer,

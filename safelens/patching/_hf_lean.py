@@ -57,6 +57,7 @@ from transformers.pytorch_utils import Conv1D
 from ..backends.hf._override import Replacement
 from ..backends.hf._seams import ATTENTION_MODULES, child_named, output_projection
 from ..core._errors import PatchingError
+from ._skips import INPUTS, activations
 
 __all__ = ["Lean"]
 
@@ -190,9 +191,9 @@ class Lean:
         # before them they differ from the patch on, and comparing them costs more than
         # the few equal positions save (a sixth of a resid_pre grid, measured).
         self.after_heads = activation in _AFTER_HEADS
-        # A patch of a layer's input makes the rows of the runs entering it differ
-        # before its first map: nothing there to share.
-        self.shares = activation != "resid_pre"
+        # A patch of a layer's input (`INPUTS`) makes the rows of the runs entering it
+        # differ before its first map: nothing there to share.
+        self.shares = activation not in activations(INPUTS)
         mlps = [getattr(layer, "mlp", None) for layer in self.layers]
         # Each layer's MLP if it maps each position (so each row) on its own, else `None`.
         self.row_wise: list[torch.nn.Module | None] = [

@@ -9,7 +9,9 @@ position. For a metric of the last position, the last layer runs the last query 
 through safelens' attention path (`attn.hook_q` trimmed) and the MLP the last position
 alone (`hook_resid_mid` trimmed). The single-position shortcut is not taken with dynamic
 NTK rotary (`cfg.use_dynamic_ntk_rope`), whose rotation depends on how many positions a
-pass holds.
+pass holds. The runs entering a layer map their attention inputs once
+([`shared_inputs`][safelens.backends.hooked._shared_attention.shared_inputs]) when the
+patch sits after those maps.
 
 Caveat: the last-query shortcut needs safelens' attention path (see
 [`shared_prefix_attention`][safelens.shared_prefix_attention]); a last layer it does
@@ -28,7 +30,7 @@ from ..backends.hooked._backend import HookedBackend
 from ..backends.hooked._shared_attention import supports
 from ..core._thread_hooks import hooked_anywhere, hooked_here
 from ._metric import reads_last_position
-from ._skips import AFTER_KEYS, BEFORE_QUERIES, BEFORE_RESID_MID, EVERY_KEY_POSITION
+from ._skips import AFTER_INPUTS, AFTER_KEYS, BEFORE_QUERIES, BEFORE_RESID_MID, EVERY_KEY_POSITION
 
 __all__ = ["Plan", "causal", "reads_last_position"]
 
@@ -54,6 +56,8 @@ class Plan:
     last_layer_trims: tuple[tuple[str, Hook], ...]
     # Whether a pass may run fewer positions than the prompt's (no user hook attached).
     partial: bool = True
+    # Whether the runs entering a layer map their attention inputs once (`_skips`).
+    shares_inputs: bool = False
 
     @classmethod
     def of(cls, model: HookedTransformer, site: str, single_position: bool, metric: object) -> Plan:
@@ -76,4 +80,4 @@ class Plan:
         single = (
             single_position and reuses and site in AFTER_KEYS and not model.cfg.use_dynamic_ntk_rope
         )
-        return cls(last_only, reuses, single, tuple(trims))
+        return cls(last_only, reuses, single, tuple(trims), shares_inputs=site in AFTER_INPUTS)

@@ -26,6 +26,10 @@ patched run needs only what its metric reads and what its patch can change:
   sits before it (`BEFORE_RESID_MID`, the MLP's input included), or the pass patches
   nothing in that layer; and a last-layer patch of an activation computed after the keys
   and values (`AFTER_KEYS`) at an earlier position changes nothing the metric reads.
+- *Shared inputs.* The runs entering a layer hold the corrupted run's residual stream
+  there until their patches, so a patch after the attention's input maps
+  (`AFTER_INPUTS`: queries, keys, values and everything computed from them) leaves
+  those maps' inputs equal across the runs: they are mapped once and repeated.
 - *Single position.* A by-position patch of an activation computed after the keys and
   values (`AFTER_KEYS`: q, z, the attention or MLP output) changes, at its own layer,
   nothing but the patched position: the later positions enter the next layer with the
@@ -44,6 +48,7 @@ from collections.abc import Iterable
 from ..backends._sites import TL_NAMES
 
 __all__ = [
+    "AFTER_INPUTS",
     "AFTER_KEYS",
     "BEFORE_QUERIES",
     "BEFORE_RESID_MID",
@@ -90,6 +95,12 @@ BEFORE_RESID_MID = BEFORE_QUERIES | {
     "attn.hook_result",
     "hook_attn_out",
 }
+# Hook points at or after the attention's query, key and value maps.
+AFTER_INPUTS = (
+    frozenset({"attn.hook_q", "attn.hook_k", "attn.hook_v"})
+    | (BEFORE_RESID_MID - BEFORE_QUERIES)
+    | AFTER_KEYS
+)
 # Tensors that hold every key position (the cached ones too), not the new positions.
 EVERY_KEY_POSITION = frozenset({"attn.hook_rot_k", "attn.hook_attn_scores", "attn.hook_pattern"})
 

@@ -46,12 +46,12 @@ from transformer_lens.components import Attention, GroupedQueryAttention
 from transformer_lens.utilities.activation_functions import softcap_enabled
 
 from ...core._cache_entry import KeyValueCacheEntry
-from ...core._thread_hooks import hooked_here
+from ...core._thread_hooks import hooked_here, suspended
 
 if TYPE_CHECKING:
     from transformer_lens import HookedTransformer
 
-__all__ = ["shared_prefix_attention"]
+__all__ = ["shared_inputs", "shared_prefix_attention"]
 
 _POSITIONS = ("standard", "rotary", "shortformer")
 _NORMED_IN_FORWARD = ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
@@ -105,6 +105,8 @@ class _Installed:
 # Models whose attention holds readers, by id (each is alive while a block holds it).
 _INSTALLED: dict[int, _Installed] = {}
 _INSTALLING = threading.Lock()
+# Per thread: `(first, rows)` while its attention inputs repeat rows (`shared_inputs`).
+_SHARED_INPUTS = threading.local()
 
 
 class _SharedReader:
@@ -146,7 +148,7 @@ class _SharedReader:
                 attention_mask=attention_mask,
                 position_bias=position_bias,
             )
-        q, k, v = attn.calculate_qkv_matrices(query_input, key_input, value_input)
+        q, k, v = self._qkv(query_input, key_input, value_input)
         key_pieces, value_pieces = past_kv_cache_entry.frozen_pieces(k, v)
         # The queries are the last positions: all new ones, or fewer if hook_q kept fewer.
         offset = sum(piece.shape[1] for piece in key_pieces) - q.shape[1]
@@ -156,7 +158,8 @@ class _SharedReader:
         scores = torch.cat([self._scores(q, key, shared) for key, _, shared in pieces], dim=-1)
         scores = attn.apply_causal_mask(scores / attn.attn_scale, offset, attention_mask)
         pattern = F.softmax(attn.hook_attn_scores(scores), dim=-1)
-        pattern = torch.where(torch.isnan(pattern), torch.zeros_like(pattern), pattern)
+        # TransformerLens zeroes NaN rows (every key masked); softmax yields no infinity.
+        pattern = pattern.nan_to_num(nan=0.0)
         pattern = attn.hook_pattern(pattern).to(dtype=v.dtype)
         widths = [key.shape[1] for key, _, _ in pieces]
         z = sum(
@@ -167,6 +170,25 @@ class _SharedReader:
         z = attn.hook_z(z.reshape(q.shape))
         w = einops.rearrange(attn.W_O, "n_heads d_head d_model -> d_model (n_heads d_head)")
         return F.linear(z.reshape(*z.shape[:2], -1).to(w.dtype), w.contiguous(), attn.b_O)
+
+    def _qkv(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values; the repeated rows of `shared_inputs` mapped once."""
+        attn = self.attn
+        shared = getattr(_SHARED_INPUTS, "rows", None)
+        points = (attn.hook_q, attn.hook_k, attn.hook_v)
+        if shared is None or attn.cfg.use_qk_norm or any(p.fwd_hooks for p in points):
+            return attn.calculate_qkv_matrices(*inputs)
+        first, rows = shared
+        copies = (inputs[0].shape[0] - first) // rows
+        if copies < 2 or any(x.shape[0] != first + copies * rows for x in inputs):
+            return attn.calculate_qkv_matrices(*inputs)
+        with suspended():  # the hooks see the rows once, repeated
+            mapped = attn.calculate_qkv_matrices(*(x[: first + rows] for x in inputs))
+        q, k, v = (
+            point(torch.cat([x[:first], x[first:].repeat(copies, *[1] * (x.dim() - 1))]))
+            for point, x in zip(points, mapped, strict=True)
+        )
+        return q, k, v
 
     def _pieces(
         self,
@@ -225,6 +247,25 @@ class _SharedReader:
             return out.permute(1, 3, 0, 2, 4)
         out = grouped.reshape(batch, kv_heads, -1, length) @ value.transpose(1, 2)
         return out.reshape(batch, kv_heads, -1, pos, value.shape[3]).permute(0, 3, 1, 2, 4)
+
+
+@contextmanager
+def shared_inputs(first: int, rows: int) -> Iterator[None]:
+    """Within the block, this thread's attention inputs repeat rows `first:first + rows`.
+
+    From row `first` on, an attention input given to a layer that reads its cache in
+    pieces is copies of its rows `first:first + rows` (the runs entering a patching
+    sweep's layer, `safelens.patching._skips`' shared inputs): the layer maps those rows
+    to queries, keys and values once and repeats them; `hook_q`, `hook_k` and `hook_v`
+    then fire once, on every row. Not taken where the layer normalises queries and keys
+    (after those hooks) or a hook of TransformerLens' own list sits on them.
+    """
+    before = getattr(_SHARED_INPUTS, "rows", None)
+    _SHARED_INPUTS.rows = (first, rows)
+    try:
+        yield
+    finally:
+        _SHARED_INPUTS.rows = before
 
 
 @contextmanager
