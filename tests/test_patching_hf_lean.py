@@ -1,8 +1,9 @@
 """The replacements inside a sweep's passes on HuggingFace models (`_hf_lean`).
 
 Shared rows (the first layer's attention maps and MLP map one run's rows), the last
-query (the last layer's query and output projections map the last position alone) and
-the chunked MLP (a CPU pass maps an MLP's input a few rows at a time). Each test makes
+query (the last layer's query and output projections map the last position alone), the
+chunked MLP (a CPU pass maps an MLP's input a few rows at a time) and the fused
+activation (GPT-2's `gelu_new` as PyTorch's one kernel). Each test makes
 every replacement act (chunks of 4 positions, so that the tiny models' passes are
 chunked), records what acted, and compares the sweep with a loop of hooked forwards
 (`test_patching_hf`; head outputs: `test_patching_hf_sites`) and with the same sweep
@@ -78,6 +79,7 @@ def acted(monkeypatch):
     monkeypatch.setattr(_hf_lean, "_chunked", spying("chunked", _hf_lean._chunked))
     monkeypatch.setattr(_hf_lean, "_last_position", spying("last", _hf_lean._last_position))
     monkeypatch.setattr(_hf_lean, "_shared_rows", lambda *args: spying("shared", shared(*args)))
+    monkeypatch.setattr(_hf_lean, "_tanh_gelu", spying("gelu", _hf_lean._tanh_gelu))
     return counts
 
 
@@ -112,6 +114,8 @@ def test_each_replacement_acts_and_the_sweeps_equal_a_loop_of_hooked_forwards(
         sweep = getattr(safelens, sweep_name)
         got = sweep(lm, corrupted, clean_cache, last_only(2), progress=False)
         assert acted["chunked", "lean"] > 0, (name, sweep_name)
+        # GPT-2's `gelu_new` runs fused; the others' activations are their own.
+        assert (acted["gelu", "lean"] > 0) == (name == "gpt2"), (name, sweep_name)
         # The output projection at least (GPT-2 and Phi-3 join their query projection to
         # the keys' and values', which map every position).
         assert acted["last", "lean"] > 0, (name, sweep_name)
@@ -473,3 +477,41 @@ def test_the_first_layers_maps_and_mlp_share_rows_and_the_last_output_projection
     for module in {key[0] for key in below}:
         assert sum(lean_calls[key, "lean"] for key in below if key[0] is module)
     assert_left_as_found(lm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_fused_activation_equals_transformers_own_to_float_rounding(dtype):
+    from transformers.activations import ACT2FN
+
+    own = ACT2FN["gelu_new"]
+    x = (torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    fused = _hf_lean._tanh_gelu(own, x)
+    # float32 and float64: a unit or two in the last place. bfloat16: the kernel computes
+    # in float32 and rounds once; transformers' seven operations round at each step.
+    bound = 4 * torch.finfo(dtype).eps * (8 if dtype == torch.bfloat16 else 1)
+    scale = own(x).abs().clamp_min(1.0)
+    assert fused.dtype == dtype and fused.shape == x.shape
+    assert ((fused - own(x)).abs() / scale).max() <= bound
+    # Called otherwise than with one tensor: the module's own forward, bitwise.
+    assert torch.equal(_hf_lean._tanh_gelu(own, input=x), own(x))
+
+
+def test_a_model_of_tanh_gelus_in_every_layer_gets_them_fused_from_its_first_layer_on():
+    lm = model("gpt2", layers=LAYERS)
+    lean = _hf_lean.Lean(decoder_layers(lm, LAYERS)[1], "resid_pre")
+    acts = [layer.mlp.act for layer in decoder_layers(lm, LAYERS)[1]]
+    assert [len(found) for found in lean.gelus] == [4, 3, 2, 1]
+    assert lean.gelus[2] == acts[2:]
+    chosen = lean.replacements([2, 3], trim=False)
+    assert set(acts[2:]) <= set(chosen) and not set(acts[:2]) & set(chosen)
+    llama = _hf_lean.Lean(decoder_layers(model("llama", layers=LAYERS), LAYERS)[1], "k")
+    assert llama.gelus == [[], [], [], []]
+
+
+def test_gelu_fast_whose_constant_is_rounded_is_left_as_it_is():
+    from hf_models import CONFIGS
+
+    config = CONFIGS["gpt2"](LAYERS)
+    config.activation_function = "gelu_fast"
+    lm = transformers.AutoModelForCausalLM.from_config(config)
+    assert _hf_lean.Lean(decoder_layers(lm, LAYERS)[1], "k").gelus == [[], [], [], []]

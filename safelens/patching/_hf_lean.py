@@ -1,6 +1,6 @@
 """Less work inside a sweep's patched pass on a HuggingFace model, for the same numbers.
 
-Three module replacements, on the sweep's thread only
+Four module replacements, on the sweep's thread only
 ([`overriding`][safelens.backends.hf._override.overriding]), that a pass on a plain
 HuggingFace model (or a bridge's plain model, `safelens.backends.bridge._plain`) takes
 when no hook of the user's is attached anywhere:
@@ -35,7 +35,15 @@ when no hook of the user's is attached anywhere:
   activations (`_position_wise`; not a mixture of experts) is chunked: it maps each
   position on its own, so it gives the same numbers either way (to float rounding).
 
-All three are taken only as part of the sweep's shortcuts, which are checked once per
+- *Fused activation* (`_tanh_gelu`): GPT-2's `gelu_new` (transformers'
+  `NewGELUActivation`, also GPT-J's, GPT-Neo's, CodeGen's and Phi's), the tanh
+  approximation of GELU written as seven tensor operations, runs as PyTorch's one fused
+  kernel (`gelu(approximate="tanh")`, transformers' own `gelu_pytorch_tanh`): the same
+  formula and constants, to float rounding (a unit or two in the last place), at a
+  fifth of the time on a CPU. (`gelu_fast` rounds its constant to ten digits: not
+  the same numbers in float64, so left as it is.)
+
+All four are taken only as part of the sweep's shortcuts, which are checked once per
 sweep on the model itself (the unpatched corrupted tokens must give the corrupted run's
 logits); a family where one does not hold runs without them. On a bridge's own
 components (hook points inside its modules) none is taken. Shared rows and chunks on
@@ -52,6 +60,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from transformers.activations import NewGELUActivation
 from transformers.pytorch_utils import Conv1D
 
 from ..backends.hf._override import Replacement
@@ -64,6 +74,8 @@ __all__ = ["Lean"]
 # Positions per chunk of an MLP's input on a CPU: a chunk's intermediate activations
 # (`_CHUNK_TOKENS * intermediate_size` values) then fit a core's cache on common models.
 _CHUNK_TOKENS = 256
+# Activations that compute GELU's tanh approximation in several tensor operations.
+_TANH_GELUS = (NewGELUActivation,)
 # Linear maps: GPT-2's `Conv1D` is one too (`x @ weight + bias`).
 _LINEAR = (torch.nn.Linear, Conv1D)
 # The parts an MLP that maps each position on its own is built of, and the modules that
@@ -146,6 +158,12 @@ def _last_position(own: Any, *args: Any, **kwargs: Any) -> Any:
     return out
 
 
+def _tanh_gelu(own: Any, *args: Any, **kwargs: Any) -> Any:
+    """The tanh approximation of GELU as PyTorch's fused kernel (module notes)."""
+    x = _only_tensor(args, kwargs)
+    return own(*args, **kwargs) if x is None else F.gelu(x, approximate="tanh")
+
+
 def _nested(replacements: list[Replacement]) -> Replacement:
     """One replacement of several on one module: each calls the one before as its forward."""
     if len(replacements) == 1:
@@ -206,6 +224,14 @@ class Lean:
             for mlp in self.row_wise
         )
         self.mlps = [mlp for mlp in self.row_wise if mlp is not None] if chunks else []
+        # Per layer from its first on, the tanh-approximation GELUs inside it (`_tanh_gelu`).
+        gelus = [
+            [part for part in layer.modules() if type(part) in _TANH_GELUS] for layer in self.layers
+        ]
+        self.gelus = [
+            list(dict.fromkeys(part for layer in gelus[first:] for part in layer))
+            for first in range(len(gelus))
+        ]
         query = getattr(_attention(self.layers[-1]), "q_proj", None)
         output = _output_projection(self.layers[-1], len(self.layers) - 1)
         elsewhere = {id(module) for layer in self.layers[:-1] for module in layer.modules()}
@@ -224,6 +250,7 @@ class Lean:
         chosen: dict[torch.nn.Module, list[Replacement]] = {
             mlp: [_chunked] for mlp in self.mlps[entries[0] :]
         }
+        chosen.update({module: [_tanh_gelu] for module in self.gelus[entries[0]]})
         last = self.last if trim else []
         chosen.update({module: [_last_position] for module in last})
         for layer in sorted(set(entries)):
