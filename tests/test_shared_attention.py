@@ -380,7 +380,8 @@ def test_shared_inputs_map_repeated_rows_once_with_the_same_outputs_and_hooks(ki
     assert not torch.allclose(ours[3], ours[4])  # the patched copy differs from the others
 
 
-def test_shared_inputs_are_not_taken_under_a_hook_of_transformer_lens_own_list() -> None:
+@pytest.mark.parametrize("kind", ["transformer_lens", "forward", "pre"])
+def test_shared_inputs_are_not_taken_under_a_hook_of_someone_elses(kind: str) -> None:
     from safelens.backends.hooked._shared_attention import shared_inputs
 
     model = make_model("rotary")
@@ -389,12 +390,20 @@ def test_shared_inputs_are_not_taken_under_a_hook_of_transformer_lens_own_list()
     x = torch.randn(1, 3, model.cfg.d_model, generator=torch.Generator().manual_seed(0))
     x = x.expand(4, -1, -1).clone()
     seen: list[int] = []
-    attn.hook_k.add_hook(lambda k, hook: seen.append(k.shape[0]))
+    if kind == "transformer_lens":
+        attn.hook_k.add_hook(lambda k, hook: seen.append(k.shape[0]))
+        handle = None
+    elif kind == "forward":
+        handle = attn.hook_k.register_forward_hook(lambda m, i, k: seen.append(k.shape[0]))
+    else:
+        handle = attn.hook_k.register_forward_pre_hook(lambda m, i: seen.append(i[0].shape[0]))
     try:
         with shared_prefix_attention(model), shared_inputs(0, 1):
             ours = attn(x, x, x, past_kv_cache_entry=expanded(prefix, 4)[0])
     finally:
         attn.hook_k.remove_hooks()
+        if handle is not None:
+            handle.remove()
     reference = attn(x, x, x, past_kv_cache_entry=expanded(prefix, 4)[0])
-    assert seen == [4]
+    assert seen == [4]  # once, on every row
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)

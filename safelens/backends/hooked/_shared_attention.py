@@ -77,6 +77,12 @@ def supports(attn: Any) -> bool:
     )
 
 
+def _thread_hooks_only(point: Any) -> bool:
+    """Whether `point`'s only hooks are `thread_hooks`' (which `suspended` silences)."""
+    hooks = (*tuple(point._forward_hooks.values()), *tuple(point._forward_pre_hooks.values()))
+    return all(hasattr(hook, "thread") for hook in hooks)
+
+
 def _same_rows(mask: Int[torch.Tensor, "batch pos"]) -> bool:
     return bool((mask == mask[:1]).all())
 
@@ -176,7 +182,7 @@ class _SharedReader:
         attn = self.attn
         shared = getattr(_SHARED_INPUTS, "rows", None)
         points = (attn.hook_q, attn.hook_k, attn.hook_v)
-        if shared is None or attn.cfg.use_qk_norm or any(p.fwd_hooks for p in points):
+        if shared is None or attn.cfg.use_qk_norm or not all(map(_thread_hooks_only, points)):
             return attn.calculate_qkv_matrices(*inputs)
         first, rows = shared
         copies = (inputs[0].shape[0] - first) // rows
@@ -258,7 +264,8 @@ def shared_inputs(first: int, rows: int) -> Iterator[None]:
     sweep's layer, `safelens.patching._skips`' shared inputs): the layer maps those rows
     to queries, keys and values once and repeats them; `hook_q`, `hook_k` and `hook_v`
     then fire once, on every row. Not taken where the layer normalises queries and keys
-    (after those hooks) or a hook of TransformerLens' own list sits on them.
+    (after those hooks) or a hook other than `thread_hooks`' sits on them (a hook of
+    TransformerLens' list, a plain PyTorch hook or pre-hook).
     """
     before = getattr(_SHARED_INPUTS, "rows", None)
     _SHARED_INPUTS.rows = (first, rows)
