@@ -833,3 +833,55 @@ def test_a_users_hook_that_indexes_positions_acts_as_under_transformer_lens(decl
         assert len(model.hook_dict["blocks.0.hook_mlp_out"]._forward_hooks) == 1
     finally:
         model.reset_hooks()
+
+
+# -- GPT-2's gelu_new, fused inside the passes -----------------------------------------
+
+
+@pytest.mark.parametrize("name", SHORTCUT_SWEEPS)
+def test_gelu_new_runs_fused_in_the_passes_and_the_sweep_equals_transformer_lens(
+    name: str, monkeypatch
+) -> None:
+    from transformer_lens.utilities.activation_functions import gelu_new
+
+    from safelens.patching import _grid
+
+    model = tiny(act_fn="gelu_new")
+    fused: list[tuple[int, ...]] = []
+
+    def spying(own, *args, **kwargs):
+        fused.append(tuple(args[0].shape))
+        return _grid.tanh_gelu(own, *args, **kwargs)
+
+    monkeypatch.setattr(_grid, "_fused_activations", _spied(_grid._fused_activations, spying))
+    against_transformer_lens(model, name)
+    assert fused  # the passes ran it fused; the corrupted run, TransformerLens' own
+    assert all(block.mlp.__dict__["act_fn"] is gelu_new for block in model.blocks)
+
+
+def _spied(choose, replacement):
+    def chosen(model):
+        return {mlp: replacement for mlp in choose(model)}
+
+    return chosen
+
+
+def test_gelu_new_stays_transformer_lens_own_in_bfloat16_and_under_a_users_hook() -> None:
+    from safelens.patching import _grid
+
+    assert _grid._fused_activations(tiny(act_fn="gelu_new", dtype=torch.bfloat16)) == {}
+    assert _grid._fused_activations(tiny(act_fn="gelu")) == {}
+    model = tiny(act_fn="gelu_new")
+    assert set(_grid._fused_activations(model)) == {block.mlp for block in model.blocks}
+    calls: list[int] = []
+    model.add_hook("blocks.1.mlp.hook_post", lambda tensor, hook: calls.append(1))
+    try:
+        own = model.blocks[0].mlp.act_fn
+        seen: list[object] = []
+        model.blocks[0].mlp.hook_pre.add_hook(
+            lambda tensor, hook: seen.append(model.blocks[0].mlp.act_fn)
+        )
+        against_transformer_lens(model, "get_act_patch_mlp_out")
+    finally:
+        model.reset_hooks()
+    assert calls and seen and all(act is own for act in seen)  # never overridden

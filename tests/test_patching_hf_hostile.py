@@ -29,9 +29,10 @@ from transformer_lens import patching
 
 import safelens
 from safelens import PatchingError, SafelensError, run_with_patching_cache
+from safelens.backends import _override
 from safelens.backends._families import backend_of
 from safelens.backends.bridge import _cache_pass
-from safelens.backends.hf import _override, _skip
+from safelens.backends.hf import _skip
 from safelens.patching import _hf_passes
 from safelens.patching._limits import rows_within
 

@@ -34,8 +34,8 @@ from test_patching_hf_sites import vector_reference
 
 import safelens
 from safelens import run_with_patching_cache
-from safelens.backends.hf import _override
-from safelens.backends.hf._override import overriding
+from safelens.backends import _override
+from safelens.backends._override import overriding
 from safelens.backends.hf._sites import decoder_layers
 from safelens.patching import _hf_lean
 
@@ -515,3 +515,25 @@ def test_gelu_fast_whose_constant_is_rounded_is_left_as_it_is():
     config.activation_function = "gelu_fast"
     lm = transformers.AutoModelForCausalLM.from_config(config)
     assert _hf_lean.Lean(decoder_layers(lm, LAYERS)[1], "k").gelus == [[], [], [], []]
+
+
+def test_overriding_an_attribute_acts_on_this_thread_only_and_puts_it_back():
+    module = torch.nn.Module()
+    module.act_fn = torch.tanh
+    seen: dict[str, torch.Tensor] = {}
+
+    def other() -> None:
+        seen["other"] = module.act_fn(torch.ones(1))
+
+    with overriding({module: lambda own, x: own(x) * 0 + 7}, "act_fn"):
+        seen["mine"] = module.act_fn(torch.ones(1))
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        with pytest.raises(RuntimeError, match="once at a time"):
+            with overriding({module: lambda own, x: own(x)}, "act_fn"):
+                pass
+        with overriding({module: lambda own, *a: own(*a)}):  # its forward: another key
+            pass
+    assert seen["mine"].item() == 7 and seen["other"].item() == torch.tanh(torch.ones(1)).item()
+    assert module.__dict__["act_fn"] is torch.tanh and not _override._INSTALLED

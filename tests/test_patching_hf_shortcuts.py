@@ -26,8 +26,9 @@ from transformer_lens import patching
 
 import safelens
 from safelens import run_with_patching_cache
+from safelens.backends import _override
 from safelens.backends._families import backend_of
-from safelens.backends.hf import _override, _skip
+from safelens.backends.hf import _skip
 from safelens.backends.hf._sites import decoder_layers
 from safelens.patching import _hf_shortcuts, _hf_sweeps
 

@@ -14,6 +14,9 @@ patched layer from the corrupted run's residual stream, and the runs patched at 
 later layer join the batch there (a staggered forward). The logits of positions `< p`
 are the corrupted run's, copied in before the metric sees them.
 
+Without a hook of the user's, an MLP's `gelu_new` runs as PyTorch's fused kernel
+(`safelens.patching._fused`; float32 and float64 models).
+
 Positions are reused only where the plan allows it (a causal model; see
 `safelens.patching._plan`): otherwise every run starts at position 0, still batched and
 still entering at its own layer. The corrupted run, and every patched run, use the
@@ -41,11 +44,14 @@ from jaxtyping import Float, Int
 from transformer_lens import HookedTransformer
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.utilities import get_attention_mask
+from transformer_lens.utilities.activation_functions import gelu_new
 
+from ..backends._override import Replacement, overriding
 from ..backends.hooked._shared_attention import shared_inputs, shared_prefix_attention
 from ..core._cache import KeyValueCache
 from ..core._thread_hooks import Hook, thread_hooks
 from ._engine import Planned, Run, score
+from ._fused import tanh_gelu
 from ._grouping import groups, run_rows, with_positions_before
 from ._limits import rows_within
 from ._metric import Metric
@@ -168,10 +174,19 @@ def sweep(
         for pos, group in groups(runs, (span,))
     ]
     idle_logits = corrupted.logits[:, -1:] if plan.last_only else corrupted.logits
-    with torch.no_grad(), shared_prefix_attention(model):
+    fused = _fused_activations(model) if plan.partial else {}
+    with torch.no_grad(), shared_prefix_attention(model), overriding(fused, "act_fn"):
         return score(
             out, metric, batch, idle or [], idle_logits, planned, rows, max_batch, progress
         )
+
+
+def _fused_activations(model: HookedTransformer) -> dict[torch.nn.Module, Replacement]:
+    """The MLPs whose `gelu_new` a pass runs fused (`safelens.patching._fused`), in float32/64."""
+    if model.cfg.dtype not in (torch.float32, torch.float64):
+        return {}
+    mlps = [block.mlp for block in model.blocks if hasattr(block, "mlp")]
+    return {mlp: tanh_gelu for mlp in mlps if getattr(mlp, "act_fn", None) is gelu_new}
 
 
 def _forward_chunk(

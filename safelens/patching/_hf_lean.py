@@ -1,7 +1,7 @@
 """Less work inside a sweep's patched pass on a HuggingFace model, for the same numbers.
 
 Four module replacements, on the sweep's thread only
-([`overriding`][safelens.backends.hf._override.overriding]), that a pass on a plain
+([`overriding`][safelens.backends._override.overriding]), that a pass on a plain
 HuggingFace model (or a bridge's plain model, `safelens.backends.bridge._plain`) takes
 when no hook of the user's is attached anywhere:
 
@@ -35,13 +35,9 @@ when no hook of the user's is attached anywhere:
   activations (`_position_wise`; not a mixture of experts) is chunked: it maps each
   position on its own, so it gives the same numbers either way (to float rounding).
 
-- *Fused activation* (`_tanh_gelu`): GPT-2's `gelu_new` (transformers'
-  `NewGELUActivation`, also GPT-J's, GPT-Neo's, CodeGen's and Phi's), the tanh
-  approximation of GELU written as seven tensor operations, runs as PyTorch's one fused
-  kernel (`gelu(approximate="tanh")`, transformers' own `gelu_pytorch_tanh`): the same
-  formula and constants, to float rounding (a unit or two in the last place), at a
-  fifth of the time on a CPU. (`gelu_fast` rounds its constant to ten digits: not
-  the same numbers in float64, so left as it is.)
+- *Fused activation* (`_tanh_gelu`, `safelens.patching._fused`): GPT-2's `gelu_new`
+  (transformers' `NewGELUActivation`, also GPT-J's, GPT-Neo's, CodeGen's and Phi's) runs
+  as PyTorch's one fused kernel, the same formula to float rounding.
 
 All four are taken only as part of the sweep's shortcuts, which are checked once per
 sweep on the model itself (the unpatched corrupted tokens must give the corrupted run's
@@ -60,13 +56,13 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers.activations import NewGELUActivation
 from transformers.pytorch_utils import Conv1D
 
-from ..backends.hf._override import Replacement
+from ..backends._override import Replacement
 from ..backends.hf._seams import ATTENTION_MODULES, child_named, output_projection
 from ..core._errors import PatchingError
+from ._fused import tanh_gelu as _tanh_gelu
 from ._skips import INPUTS, activations
 
 __all__ = ["Lean"]
@@ -156,12 +152,6 @@ def _last_position(own: Any, *args: Any, **kwargs: Any) -> Any:
     out = last.new_zeros(*x.shape[:-1], last.shape[-1])
     out[:, -1:] = last
     return out
-
-
-def _tanh_gelu(own: Any, *args: Any, **kwargs: Any) -> Any:
-    """The tanh approximation of GELU as PyTorch's fused kernel (module notes)."""
-    x = _only_tensor(args, kwargs)
-    return own(*args, **kwargs) if x is None else F.gelu(x, approximate="tanh")
 
 
 def _nested(replacements: list[Replacement]) -> Replacement:

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from ..backends._backend import Backend
-from ..backends.hf._override import overriding
+from ..backends._override import overriding
 from ..backends.hf._sites import decoder_layers
 from ..backends.hf._skip import joining, output_form, skipping
 from ..core._thread_hooks import LIBRARIES

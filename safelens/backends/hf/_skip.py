@@ -12,7 +12,7 @@ layer) and the hooks on layer `first` onward run as usual; a skipped layer never
 `cache.update`, so its cache layer keeps what it held.
 
 How: the skipped layers' `forward` is replaced on the calling thread only
-([`overriding`][safelens.backends.hf._override.overriding]), so other threads' passes
+([`overriding`][safelens.backends._override.overriding]), so other threads' passes
 through the model run every layer.
 
 Within [`joining`][safelens.backends.hf._skip.joining], on the calling thread, a pass's
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ._override import Replacement, overriding
+from .._override import Replacement, overriding
 
 __all__ = ["joining", "output_form", "skipped_layers", "skipping"]
 
