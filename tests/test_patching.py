@@ -885,3 +885,52 @@ def test_gelu_new_stays_transformer_lens_own_in_bfloat16_and_under_a_users_hook(
     finally:
         model.reset_hooks()
     assert calls and seen and all(act is own for act in seen)  # never overridden
+
+
+def test_a_gelu_new_sweep_that_raises_or_runs_beside_plain_forwards_leaves_act_fn_as_found():
+    from transformer_lens.utilities.activation_functions import gelu_new
+
+    model = tiny(act_fn="gelu_new", positional_embedding_type="rotary")
+    clean, corrupted = tokens(1, 6, seed=1), tokens(1, 6, seed=2)
+    clean_logits, clean_cache = model.run_with_cache(clean)
+    metric = logit_diff_metric(clean_logits, model(corrupted), 3, 5)
+    calls: list[int] = []
+
+    def failing(logits: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("metric failed")
+        return metric(logits)
+
+    with pytest.raises(RuntimeError, match="metric failed"):
+        safelens.get_act_patch_mlp_out(
+            model, corrupted, clean_cache, failing, max_batch=2, progress=False
+        )
+    assert all(block.mlp.__dict__["act_fn"] is gelu_new for block in model.blocks)
+    # Another thread's plain forwards during the sweeps run TransformerLens' own gelu_new.
+    plain = tokens(2, 7, seed=9)
+    serial_plain = model(plain)
+    serial = safelens.get_act_patch_resid_pre(model, corrupted, clean_cache, metric, progress=False)
+    failures: list[str] = []
+
+    def sweeps() -> None:
+        for _ in range(3):
+            got = safelens.get_act_patch_resid_pre(
+                model, corrupted, clean_cache, metric, progress=False
+            )
+            if not torch.equal(got, serial):
+                failures.append("sweep")
+
+    def forwards() -> None:
+        with torch.no_grad():
+            for _ in range(20):
+                if not torch.equal(model(plain), serial_plain):
+                    failures.append("plain")
+
+    threads = [threading.Thread(target=sweeps), threading.Thread(target=forwards)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert all(block.mlp.__dict__["act_fn"] is gelu_new for block in model.blocks)
