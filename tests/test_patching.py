@@ -934,3 +934,29 @@ def test_a_gelu_new_sweep_that_raises_or_runs_beside_plain_forwards_leaves_act_f
         thread.join()
     assert failures == []
     assert all(block.mlp.__dict__["act_fn"] is gelu_new for block in model.blocks)
+
+
+def test_a_blocks_ln1_is_computed_once_per_tensor_it_is_handed() -> None:
+    from safelens.core._thread_hooks import thread_hooks
+    from safelens.patching import _grid
+
+    norm = tiny().blocks[0].ln1
+    calls: list[int] = []
+
+    def own(*args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return norm.forward(*args, **kwargs)
+
+    once = _grid._once(norm)
+    x = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(0))
+    first = once(own, x)
+    assert once(own, x) is first and once(own, x) is first and len(calls) == 1
+    torch.testing.assert_close(first, norm(x), rtol=0, atol=0)
+    x[0, 0] += 1.0  # edited in place: computed again
+    assert not torch.equal(once(own, x), first) and len(calls) == 2
+    assert once(own, x.clone()) is not None and len(calls) == 3  # another tensor
+    with thread_hooks([(norm.hook_normalized, lambda tensor, hook: None)]):
+        once(own, x), once(own, x)  # a hook inside: every call runs, so the hook fires
+    assert len(calls) == 5
+    once(own, x=x)  # not one positional tensor: its own forward
+    assert len(calls) == 6

@@ -15,7 +15,9 @@ later layer join the batch there (a staggered forward). The logits of positions 
 are the corrupted run's, copied in before the metric sees them.
 
 Without a hook of the user's, an MLP's `gelu_new` runs as PyTorch's fused kernel
-(`safelens.patching._fused`; float32 and float64 models).
+(`safelens.patching._fused`; float32 and float64 models), and each block's `ln1`, which
+TransformerLens calls three times on one tensor (the queries', keys' and values'
+input), computes it once.
 
 Positions are reused only where the plan allows it (a causal model; see
 `safelens.patching._plan`): otherwise every run starts at position 0, still batched and
@@ -175,10 +177,36 @@ def sweep(
     ]
     idle_logits = corrupted.logits[:, -1:] if plan.last_only else corrupted.logits
     fused = _fused_activations(model) if plan.partial else {}
+    once = {block.ln1: _once(block.ln1) for block in model.blocks} if plan.partial else {}
     with torch.no_grad(), shared_prefix_attention(model), overriding(fused, "act_fn"):
-        return score(
-            out, metric, batch, idle or [], idle_logits, planned, rows, max_batch, progress
-        )
+        with overriding(once):
+            return score(
+                out, metric, batch, idle or [], idle_logits, planned, rows, max_batch, progress
+            )
+
+
+def _once(norm: torch.nn.Module) -> Replacement:
+    """`norm`'s output for the tensor it was last given, computed once while it is given it.
+
+    A block hands its `ln1` the same tensor three times (the queries', keys' and values'
+    input); without hooks inside `norm`, the three calls give the same numbers. A tensor
+    edited in place since (its version moved) is computed again.
+    """
+    last: list[tuple[torch.Tensor, int, torch.Tensor]] = []  # (tensor, its version, output)
+
+    def forward(own: Callable[..., torch.Tensor], *args: object, **kwargs: object) -> torch.Tensor:
+        x = args[0] if len(args) == 1 and not kwargs else None
+        if not isinstance(x, torch.Tensor):
+            return own(*args, **kwargs)
+        points = [part for part in norm.modules() if isinstance(part, HookPoint)]
+        if any(point._forward_hooks or point._forward_pre_hooks for point in points):
+            return own(*args, **kwargs)
+        if last and last[0][0] is x and last[0][1] == x._version:  # not edited in place since
+            return last[0][2]
+        last[:] = [(x, x._version, own(x))]
+        return last[0][2]
+
+    return forward
 
 
 def _fused_activations(model: HookedTransformer) -> dict[torch.nn.Module, Replacement]:

@@ -83,6 +83,15 @@ def _thread_hooks_only(point: Any) -> bool:
     return all(hasattr(hook, "thread") for hook in hooks)
 
 
+def _repeated(x: torch.Tensor, first: int, copies: int) -> torch.Tensor:
+    """`x`'s rows before `first`, then `copies` copies of the rest, written once."""
+    rows = x.shape[0] - first
+    out = x.new_empty((first + copies * rows, *x.shape[1:]))
+    out[:first] = x[:first]
+    out[first:].unflatten(0, (copies, rows)).copy_(x[first:].expand(copies, *x[first:].shape))
+    return out
+
+
 def _same_rows(mask: Int[torch.Tensor, "batch pos"]) -> bool:
     return bool((mask == mask[:1]).all())
 
@@ -191,8 +200,7 @@ class _SharedReader:
         with suspended():  # the hooks see the rows once, repeated
             mapped = attn.calculate_qkv_matrices(*(x[: first + rows] for x in inputs))
         q, k, v = (
-            point(torch.cat([x[:first], x[first:].repeat(copies, *[1] * (x.dim() - 1))]))
-            for point, x in zip(points, mapped, strict=True)
+            point(_repeated(x, first, copies)) for point, x in zip(points, mapped, strict=True)
         )
         return q, k, v
 
