@@ -329,6 +329,19 @@ def test_a_metric_returning_the_wrong_thing_is_named(returned, match) -> None:
     assert not any("forward" in block.attn.__dict__ for block in model.blocks)
 
 
+def failing_on_second_call(metric):
+    """`metric`, raising `RuntimeError("metric failed")` on its second call."""
+    calls: list[int] = []
+
+    def failing(logits: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("metric failed")
+        return metric(logits)
+
+    return failing
+
+
 def test_a_metric_that_raises_leaves_the_model_and_its_hooks_as_they_were() -> None:
     model, corrupted, clean_cache, metric = setup("rotary-gqa")
     plain = model(corrupted)
@@ -336,14 +349,7 @@ def test_a_metric_that_raises_leaves_the_model_and_its_hooks_as_they_were() -> N
     model.add_hook("blocks.1.hook_resid_pre", lambda tensor, hook: seen.append(hook.name))
     try:
         before = hook_state(model)
-        calls: list[int] = []
-
-        def failing(logits: torch.Tensor) -> torch.Tensor:
-            calls.append(1)
-            if len(calls) == 2:
-                raise RuntimeError("metric failed")
-            return metric(logits)
-
+        failing = failing_on_second_call(metric)
         with pytest.raises(RuntimeError, match="metric failed"):
             safelens.get_act_patch_attn_head_out_by_pos(
                 model, corrupted, clean_cache, failing, max_batch=2, progress=False
@@ -866,10 +872,25 @@ def _spied(choose, replacement):
     return chosen
 
 
+def _bfloat16_pair(model):
+    clean, corrupted = tokens(1, 6, seed=1), tokens(1, 6, seed=2)
+    clean_logits, clean_cache = model.run_with_cache(clean)
+    return model, corrupted, clean_cache, logit_diff_metric(clean_logits, model(corrupted), 3, 5)
+
+
 def test_gelu_new_stays_transformer_lens_own_in_bfloat16_and_under_a_users_hook() -> None:
     from safelens.patching import _grid
 
-    assert _grid._fused_activations(tiny(act_fn="gelu_new", dtype=torch.bfloat16)) == {}
+    half = tiny(act_fn="gelu_new", dtype=torch.bfloat16)
+    # Overridden, but `tanh_gelu` runs TransformerLens' own in half precision: bitwise.
+    got = safelens.get_act_patch_mlp_out(*_bfloat16_pair(half), progress=False)
+    unfused = _grid._fused_activations
+    try:
+        _grid._fused_activations = lambda model: {}
+        own = safelens.get_act_patch_mlp_out(*_bfloat16_pair(half), progress=False)
+    finally:
+        _grid._fused_activations = unfused
+    assert torch.equal(got, own) and got.float().std() > 0
     assert _grid._fused_activations(tiny(act_fn="gelu")) == {}
     model = tiny(act_fn="gelu_new")
     assert set(_grid._fused_activations(model)) == {block.mlp for block in model.blocks}
@@ -894,17 +915,14 @@ def test_a_gelu_new_sweep_that_raises_or_runs_beside_plain_forwards_leaves_act_f
     clean, corrupted = tokens(1, 6, seed=1), tokens(1, 6, seed=2)
     clean_logits, clean_cache = model.run_with_cache(clean)
     metric = logit_diff_metric(clean_logits, model(corrupted), 3, 5)
-    calls: list[int] = []
-
-    def failing(logits: torch.Tensor) -> torch.Tensor:
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("metric failed")
-        return metric(logits)
-
     with pytest.raises(RuntimeError, match="metric failed"):
         safelens.get_act_patch_mlp_out(
-            model, corrupted, clean_cache, failing, max_batch=2, progress=False
+            model,
+            corrupted,
+            clean_cache,
+            failing_on_second_call(metric),
+            max_batch=2,
+            progress=False,
         )
     assert all(block.mlp.__dict__["act_fn"] is gelu_new for block in model.blocks)
     # Another thread's plain forwards during the sweeps run TransformerLens' own gelu_new.

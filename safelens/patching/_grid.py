@@ -15,7 +15,7 @@ later layer join the batch there (a staggered forward). The logits of positions 
 are the corrupted run's, copied in before the metric sees them.
 
 Without a hook of the user's, an MLP's `gelu_new` runs as PyTorch's fused kernel
-(`safelens.patching._fused`; float32 and float64 models), and each block's `ln1`, which
+(`safelens.patching._fused`; in float32 and float64), and each block's `ln1`, which
 TransformerLens calls three times on one tensor (the queries', keys' and values'
 input), computes it once.
 
@@ -178,11 +178,15 @@ def sweep(
     idle_logits = corrupted.logits[:, -1:] if plan.last_only else corrupted.logits
     fused = _fused_activations(model) if plan.partial else {}
     once = {block.ln1: _once(block.ln1) for block in model.blocks} if plan.partial else {}
-    with torch.no_grad(), shared_prefix_attention(model), overriding(fused, "act_fn"):
-        with overriding(once):
-            return score(
-                out, metric, batch, idle or [], idle_logits, planned, rows, max_batch, progress
-            )
+    with (
+        torch.no_grad(),
+        shared_prefix_attention(model),
+        overriding(fused, "act_fn"),
+        overriding(once),
+    ):
+        return score(
+            out, metric, batch, idle or [], idle_logits, planned, rows, max_batch, progress
+        )
 
 
 def _once(norm: torch.nn.Module) -> Replacement:
@@ -193,13 +197,12 @@ def _once(norm: torch.nn.Module) -> Replacement:
     edited in place since (its version moved) is computed again.
     """
     last: list[tuple[torch.Tensor, int, torch.Tensor]] = []  # (tensor, its version, output)
+    points = [part for part in norm.modules() if isinstance(part, HookPoint)]
 
     def forward(own: Callable[..., torch.Tensor], *args: object, **kwargs: object) -> torch.Tensor:
         x = args[0] if len(args) == 1 and not kwargs else None
-        if not isinstance(x, torch.Tensor):
-            return own(*args, **kwargs)
-        points = [part for part in norm.modules() if isinstance(part, HookPoint)]
-        if any(point._forward_hooks or point._forward_pre_hooks for point in points):
+        hooked = any(point._forward_hooks or point._forward_pre_hooks for point in points)
+        if not isinstance(x, torch.Tensor) or hooked:
             return own(*args, **kwargs)
         if last and last[0][0] is x and last[0][1] == x._version:  # not edited in place since
             return last[0][2]
@@ -210,9 +213,7 @@ def _once(norm: torch.nn.Module) -> Replacement:
 
 
 def _fused_activations(model: HookedTransformer) -> dict[torch.nn.Module, Replacement]:
-    """The MLPs whose `gelu_new` a pass runs fused (`safelens.patching._fused`), in float32/64."""
-    if model.cfg.dtype not in (torch.float32, torch.float64):
-        return {}
+    """The MLPs whose `gelu_new` a pass runs fused (`safelens.patching._fused`)."""
     mlps = [block.mlp for block in model.blocks if hasattr(block, "mlp")]
     return {mlp: tanh_gelu for mlp in mlps if getattr(mlp, "act_fn", None) is gelu_new}
 

@@ -214,13 +214,9 @@ class Lean:
             for mlp in self.row_wise
         )
         self.mlps = [mlp for mlp in self.row_wise if mlp is not None] if chunks else []
-        # Per layer from its first on, the tanh-approximation GELUs inside it (`_tanh_gelu`).
-        gelus = [
-            [part for part in layer.modules() if type(part) in _TANH_GELUS] for layer in self.layers
-        ]
+        # Each layer's tanh-approximation GELUs (`_tanh_gelu`).
         self.gelus = [
-            list(dict.fromkeys(part for layer in gelus[first:] for part in layer))
-            for first in range(len(gelus))
+            [part for part in layer.modules() if type(part) in _TANH_GELUS] for layer in self.layers
         ]
         query = getattr(_attention(self.layers[-1]), "q_proj", None)
         output = _output_projection(self.layers[-1], len(self.layers) - 1)
@@ -240,7 +236,9 @@ class Lean:
         chosen: dict[torch.nn.Module, list[Replacement]] = {
             mlp: [_chunked] for mlp in self.mlps[entries[0] :]
         }
-        chosen.update({module: [_tanh_gelu] for module in self.gelus[entries[0]]})
+        chosen.update(
+            {module: [_tanh_gelu] for gelus in self.gelus[entries[0] :] for module in gelus}
+        )
         last = self.last if trim else []
         chosen.update({module: [_last_position] for module in last})
         for layer in sorted(set(entries)):
