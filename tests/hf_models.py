@@ -1,8 +1,8 @@
 """Small random-weight HuggingFace causal LMs for the tests, built from config classes.
 
 The model families of the HF backend: GPT-2 (raw keys), Llama (GQA), Qwen2 (qkv bias),
-Mistral (sliding window), Gemma-2 (hybrid sliding window, soft-capping, eager attention)
-and Phi-3. No download; `model` caches each, so tests must leave its hooks as found.
+Mistral (sliding window), Gemma-2 (hybrid sliding window, soft-capping, eager attention),
+Phi-3 and GPT-OSS (attention sinks, hybrid sliding window, mixture of experts). No download; `model` caches each, so tests must leave its hooks as found.
 Models and token ids are on `devices.DEVICE` (`SAFELENS_TEST_DEVICE`).
 """
 
@@ -46,6 +46,16 @@ CONFIGS = {
     ),
     "phi3": lambda layers=2: transformers.Phi3Config(
         **SIZES, num_hidden_layers=layers, **SPECIAL, num_key_value_heads=2
+    ),
+    "gpt_oss": lambda layers=2: transformers.GptOssConfig(
+        **SIZES,
+        num_hidden_layers=layers,
+        **SPECIAL,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=4,
+        num_local_experts=4,
+        num_experts_per_tok=2,
     ),
 }
 

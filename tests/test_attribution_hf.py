@@ -107,7 +107,9 @@ def reference(lm, tokens: torch.Tensor) -> tuple[torch.Tensor, dict, dict]:
                 module.register_forward_pre_hook(keep_input((key, index)), with_kwargs=True)
             )
         handles.append(attention.register_forward_hook(keep(("attn_out", index), lambda o: o[0])))
-        handles.append(layer.mlp.register_forward_hook(keep(("mlp_out", index))))
+        # A mixture of experts (GPT-OSS's) returns its router's scores beside its output.
+        first = lambda o: o[0] if isinstance(o, tuple) else o  # noqa: E731
+        handles.append(layer.mlp.register_forward_hook(keep(("mlp_out", index), first)))
     before = lm.config._attn_implementation
     lm.set_attn_implementation("eager")  # attention weights that the values are read with
     try:

@@ -310,6 +310,7 @@ HF_SWEEPS = [
         ("llama", True, "float32"),
         ("gpt2", True, "float32"),
         ("gemma2", False, "float32"),
+        ("gpt_oss", True, "float32"),
         ("llama", True, "bfloat16"),
     ],
 )

@@ -15,6 +15,7 @@ environments.
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import pandas as pd
@@ -212,6 +213,39 @@ def test_pattern_sweeps_equal_a_loop_of_eager_forwards(name, monkeypatch):
         got = results[sweep]
         assert (got[_cells(indices)] - expected).abs().max() <= TOL, sweep
         assert (got - got.flatten()[0]).abs().max() > 1e-3, sweep
+
+
+def test_a_pattern_with_attention_sinks_is_the_models_own_eager_attention_weights():
+    """GPT-OSS: a learned logit per head joins each softmax; its share attends to nothing."""
+    lm = sharp_model("gpt_oss")
+    clean, _ = prompts()
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    with torch.no_grad():  # a copy: `output_attentions` leaves hooks on the model it runs
+        own = copy.deepcopy(lm)(clean, output_attentions=True).attentions
+    for layer, weights in enumerate(own):
+        pattern = clean_cache[f"blocks.{layer}.attn.hook_pattern"]
+        torch.testing.assert_close(pattern, weights, atol=1e-6, rtol=1e-5)
+        assert (pattern.sum(-1) < 1 - 1e-3).any()  # the sinks take a share
+
+
+def test_attention_sinks_of_another_form_are_refused_for_scores_and_patterns():
+    lm = copy.deepcopy(sharp_model("gpt_oss"))
+    attention = _attention(_layers(lm)[0])
+    # One sink per head still, as a column: the model's own attention reshapes it.
+    attention.sinks = torch.nn.Parameter(attention.sinks.detach().reshape(-1, 1))
+    clean, corrupted = prompts()
+    with pytest.raises(PatchingError, match="GptOssAttention's attention takes s_aux"):
+        run_with_patching_cache(lm, clean)
+    _, clean_cache = run_with_patching_cache(
+        lm, clean, names_filter=lambda name: "pattern" not in name and "scores" not in name
+    )
+    keys = safelens.get_act_patch_attn_head_k_by_pos(
+        lm, corrupted, clean_cache, batched, progress=False
+    )
+    expected = hf_reference(
+        lm, "k", [(0, 2, 1), (1, 4, 0)], clean, corrupted, torch.ones_like(clean)
+    )
+    assert (keys[0, 2, 1] - expected[0]).abs() <= TOL and (keys[1, 4, 0] - expected[1]).abs() <= TOL
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])

@@ -10,7 +10,10 @@ grouped-query attention) is edited before the model's own function runs; to read
 scores or patterns the layer's attention is computed here, eagerly (`_eager`): scores
 `query @ key.T * scaling`, soft-capped where the family caps them, plus the attention
 mask HuggingFace hands the function, then the pattern `softmax(scores)` in float32, then
-`pattern @ value`. Every other module, and every other thread, runs the function it
+`pattern @ value`. A family with attention sinks (GPT-OSS, Granite-SWA: a learned logit
+per head, `s_aux`, that joins every query's softmax and attends to nothing) gets the
+pattern `softmax([scores, sink])` without the sink's column, as GPT-OSS's eager
+attention returns it: each row leaves the sink's share out and sums to less than 1. Every other module, and every other thread, runs the function it
 always runs; the registry's entries are restored when the last block exits. The other
 seams of a decoder layer are `safelens.backends.hf._seams`'.
 
@@ -33,14 +36,15 @@ import torch
 
 from ...core._errors import PatchingError
 
-__all__ = ["ATTENTION_POINTS", "Edit", "attention_edits"]
+__all__ = ["ATTENTION_POINTS", "Edit", "attention_edits", "sink_logits"]
 
 # `edit(tensor) -> tensor | None`: what a seam's tensor becomes (`None`: as it is, or
 # edited in place).
 Edit = Callable[[torch.Tensor], "torch.Tensor | None"]
 # What the attention function edits: queries before it, scores and pattern inside it.
 ATTENTION_POINTS = ("q", "attn_scores", "pattern")
-# Attention-function arguments that change the arithmetic `_eager` does not know.
+# Attention-function arguments that change the arithmetic `_eager` does not know (`s_aux`
+# it knows in the form GPT-OSS passes it: one sink logit per query head).
 _UNKNOWN_ARITHMETIC = ("s_aux", "sinks", "position_bias", "alibi")
 
 
@@ -108,6 +112,8 @@ def _edited(
     if "attn_scores" not in edits and "pattern" not in edits:
         return function(module, query, key, value, attention_mask, *args, **kwargs)
     unknown = [name for name in _UNKNOWN_ARITHMETIC if kwargs.get(name) is not None]
+    if "s_aux" in unknown and sink_logits(kwargs["s_aux"], query) is not None:
+        unknown.remove("s_aux")
     if args or unknown:
         raise PatchingError(
             f"{type(module).__name__}'s attention takes "
@@ -131,6 +137,7 @@ def _eager(
     scaling: float | None = None,
     softcap: float | None = None,
     is_causal: bool | None = None,
+    s_aux: torch.Tensor | None = None,
     **ignored: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """Attention computed here, with its scores and pattern edited (module notes).
@@ -160,12 +167,29 @@ def _eager(
     changed = False
     if "attn_scores" in edits:
         scores, changed = _read_or_edited(edits["attn_scores"], scores)
-    pattern = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    sinks = None if s_aux is None else sink_logits(s_aux, query)
+    if sinks is None:
+        pattern = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    else:  # one more logit per row, whose share attends to nothing
+        sinks = sinks.to(scores.device, torch.float32).expand(*scores.shape[:-1], 1)
+        combined = torch.cat([scores.to(torch.float32), sinks], dim=-1)
+        pattern = torch.softmax(combined, dim=-1)[..., :-1].to(query.dtype)
     if "pattern" in edits:
         pattern, edited = _read_or_edited(edits["pattern"], pattern)
         changed |= edited
     output = torch.matmul(pattern, value).transpose(1, 2).contiguous()
     return output, pattern, changed
+
+
+def sink_logits(s_aux: Any, query: torch.Tensor) -> torch.Tensor | None:
+    """`s_aux` as `[1, n_heads, 1, 1]` sink logits, or `None` if it is not one per query head.
+
+    `query` is `[batch, n_heads, pos, d_head]`.
+    """
+    heads = query.shape[1]
+    if not isinstance(s_aux, torch.Tensor) or s_aux.dim() != 1 or s_aux.numel() != heads:
+        return None
+    return s_aux.reshape(1, heads, 1, 1)
 
 
 def _read_or_edited(edit: Edit, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -16,8 +16,9 @@ float rounding, not bitwise (each matmul is split in two). A call falls back to 
 model's own attention function whenever this path would not reproduce it: keys that are
 not what the cache handed out (another cache, a `hook_k_full`/`hook_v_full` hook, model
 code that changed them), rows that do not share a broadcast prefix, `output_attentions`,
-dropout in training, gradients, attention sinks (`s_aux`), position biases, a
-`None` mask on more than one query, and `sdpa` with soft-capping (which `sdpa` refuses).
+dropout in training, gradients, attention sinks (`s_aux`) other than one logit per query
+head (GPT-OSS's, which join each query's softmax here), position biases, a `None` mask
+on more than one query, and `sdpa` with soft-capping (which `sdpa` refuses).
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ from jaxtyping import Float
 from transformers.modeling_utils import AttentionInterface
 
 from ...core._storage import Sequence
+from ._attention_edits import sink_logits
 
 __all__ = ["THREAD", "note_read", "shared_attention"]
 
-_REFUSED = ("s_aux", "position_bias", "sinks")
+_REFUSED = ("position_bias", "sinks")
 
 
 class _Read:
@@ -133,9 +135,12 @@ def shared_attention(
     THREAD.read = None
     softcap = kwargs.get("softcap")
     dropout = kwargs.get("dropout", 0.0)
+    s_aux = kwargs.get("s_aux")
+    sinks = None if s_aux is None else sink_logits(s_aux, query)
     if (
         kwargs.get("output_attentions")
         or any(kwargs.get(name) is not None for name in _REFUSED)
+        or (s_aux is not None and sinks is None)
         or (dropout and module.training)
         or (softcap is not None and (implementation == "sdpa" or not _takes_softcap(own)))
         or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
@@ -145,7 +150,7 @@ def shared_attention(
     scaling = kwargs.get("scaling")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    return _shared_read(query, key, value, read, attention_mask, scaling, softcap), None
+    return _shared_read(query, key, value, read, attention_mask, scaling, softcap, sinks), None
 
 
 def _fits(query: torch.Tensor, key: torch.Tensor, read: _Read, mask: torch.Tensor | None) -> bool:
@@ -172,10 +177,12 @@ def _shared_read(
     mask: torch.Tensor | None,
     scaling: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> Float[torch.Tensor, "batch pos n_heads d_head"]:
     """Eager attention, with the broadcast prefix read once for all rows.
 
-    Works head-first, `[n_kv_heads, batch, group, pos, ...]`, so that the prefix is one
+    `sinks`: `[1, n_heads, 1, 1]` logits that join each query's softmax and attend to
+    nothing (`sink_logits`). Works head-first, `[n_kv_heads, batch, group, pos, ...]`, so that the prefix is one
     matmul per key/value head and its slice of the pattern needs no copy.
     """
     batch, n_heads, pos, d_head = query.shape
@@ -207,7 +214,13 @@ def _shared_read(
             else additive.reshape(mask.shape[0], kv_heads, group, pos, length).transpose(0, 1)
         )
         scores = scores.add_(heads_mask)
-    pattern = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if sinks is None:
+        pattern = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:
+        column = sinks.to(scores.device, torch.float32).view(kv_heads, 1, group, 1, 1)
+        column = column.expand(kv_heads, batch, group, pos, 1)
+        combined = torch.cat([scores.to(torch.float32), column], dim=-1)
+        pattern = torch.softmax(combined, dim=-1)[..., :-1]
     if blind:
         # A query that may see no key gets zeros, as `sdpa` gives it.
         pattern = torch.nan_to_num(pattern, nan=0.0)
