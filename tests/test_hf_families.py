@@ -173,6 +173,16 @@ UNCACHEABLE = {
         ),
         r"multi-head latent attention \(keys of 12 and values of 6 per head",
     ),
+    "gemma4 head sizes per layer": (
+        lambda: transformers.Gemma4TextConfig(
+            **SIZES,
+            head_dim=8,
+            global_head_dim=16,
+            hidden_size_per_layer_input=8,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        r"sets attributes per layer \(head_dim 8 \(layer 0\), 16 \(layer 1\)\)",
+    ),
 }
 
 

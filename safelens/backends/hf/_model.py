@@ -199,17 +199,56 @@ def _key_and_value_sizes(config: Any) -> tuple[int, int] | None:
     return None
 
 
+def _layers_of_each(values: list[Any]) -> str:
+    """`values` (one per layer) as `8 (layers 0, 1), 512 (layer 2)`, a few layers each."""
+    layers: dict[str, list[int]] = {}
+    for index, value in enumerate(values):
+        layers.setdefault(repr(value), []).append(index)
+    parts = []
+    for value, indices in layers.items():
+        shown = ", ".join(map(str, indices[:4])) + (", …" if len(indices) > 4 else "")
+        parts.append(f"{value} (layer{'s' if len(indices) > 1 else ''} {shown})")
+    return ", ".join(parts)
+
+
+def _check_one_config_for_every_layer(config: Any, what: str) -> None:
+    """Refuse a config that sets attributes per layer (transformers' heterogeneous configs).
+
+    Gemma 4's global-attention layers have another head size than its sliding ones; such
+    a config raises when its per-layer attributes are read once for the model, which
+    safelens' caches and sweeps do.
+    """
+    if not getattr(config, "is_heterogeneous", False):
+        return
+    spec = getattr(config, "_heterogeneity_spec", None)
+    names = sorted(getattr(spec, "per_layer_attributes", None) or ())
+    layers = list(config.per_layer_config)
+    varying = []
+    for name in names:
+        values = [getattr(layer, name, None) for layer in layers]
+        if len({repr(value) for value in values}) > 1:
+            varying.append(f"{name} {_layers_of_each(values)}")
+    shown = "; ".join(varying) if varying else ", ".join(names)
+    raise CacheConfigError(
+        f"{what} sets attributes per layer ({shown}): safelens reads one value of each "
+        "for the whole model, and its caches hold keys and values of one head size. Run "
+        "this model without a safelens cache"
+    )
+
+
 def check_cacheable(config: Any, what: str) -> None:
     """Refuse a model (`what`, its text `config`) whose cache safelens cannot hold.
 
-    Its layers must all store keys and values (`_check_attention_layers`), of one head
-    size: multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, Kimi, Mistral 4:
-    `kv_lora_rank`) stores keys of `qk_nope_head_dim + qk_rope_head_dim` and values of
-    `v_head_dim` per head.
+    Its layers must all store keys and values (`_check_attention_layers`), with one
+    config for every layer (not Gemma 4's, which gives its global layers another head
+    size: `_check_one_config_for_every_layer`), of one head size: multi-head latent
+    attention (DeepSeek-V2/V3, MiniCPM3, Kimi, Mistral 4: `kv_lora_rank`) stores keys of
+    `qk_nope_head_dim + qk_rope_head_dim` and values of `v_head_dim` per head.
 
     **Raises:** [`CacheConfigError`][safelens.CacheConfigError] naming what does not fit.
     """
     _check_attention_layers(config, what)
+    _check_one_config_for_every_layer(config, what)
     sizes = _key_and_value_sizes(config)
     if getattr(config, "kv_lora_rank", None) is not None or (sizes and sizes[0] != sizes[1]):
         shown = f"keys of {sizes[0]} and values of {sizes[1]} per head" if sizes else "a latent"
