@@ -20,14 +20,11 @@ from ._engine import Run, patch_index, put
 from ._grouping import groups, run_rows
 from ._hf_shortcuts import Shortcuts
 from ._hf_sites import site_edits
-from ._skips import AFTER_KEYS, activations
 
 __all__ = ["Editor", "Pass", "Run", "passes"]
 
 # Runs patched at positions `p0 … p0 + span - 1` share one pass that starts at `p0`.
 _SPANS = (1, 2, 4, 8, 16)
-# Activations computed after a layer's keys and values: a patch changes its own position.
-_OWN_POSITION = activations(AFTER_KEYS)
 # What one pass costs beyond its arithmetic, in multiply-adds: once, and per layer run (a
 # CPU estimate; it only sets how runs are grouped into passes). For a plain model, fitted
 # on 32-token grids of 4-layer Llama- and GPT-2-like models (a pass of many rows also
@@ -60,16 +57,15 @@ def passes(
     For a metric of the last position, every patch in the last layer runs the last
     position alone: a key or value patch changes only what that position reads (patched
     where the cache hands the last layer every position, `Site.full`), and a patch of an
-    activation computed after the keys and values (`_OWN_POSITION`) changes only its own
+    activation computed after the keys and values (`Skips.own_position`) changes only its own
     position, so one at an earlier position gives the corrupted run's logits. Not for
     a generic sweep's runs (`own_patches=False`), whose setter may write any position.
     """
     last = backend.n_layers - 1
     late = (
         own_patches
-        and shortcuts.partial
-        and shortcuts.last_only
-        and (site.full is not None or site.activation in _OWN_POSITION)
+        and shortcuts.allowed.last_logits
+        and (site.full is not None or shortcuts.allowed.own_position)
         and (shortcuts.skips or last == 0)
     )
     passes = [(last, length - 1, [run for run in runs if run.layer == last])] if late else []

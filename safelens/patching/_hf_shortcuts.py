@@ -1,7 +1,8 @@
 """The shortcuts a sweep on a TransformerBridge or HuggingFace model takes, checked on the model.
 
-What a patched run may skip is `safelens.patching._skips`'; here, how a HuggingFace
-model (or a bridge) takes it, on the sweep's thread only:
+What a patched run may skip is `safelens.patching._skips`' (`Skips.of`, for both pass
+runners); here, how a HuggingFace model (or a bridge) takes it, on the sweep's thread
+only:
 
 - *Layers before the patch*: [`skipping`][safelens.backends.hf._skip.skipping] does not
   run them and hands the corrupted run's residual stream to the first layer a pass runs.
@@ -10,7 +11,7 @@ model (or a bridge) takes it, on the sweep's thread only:
   to the batch there.
 - *Last position only*: PyTorch forward pre-hooks keep the last position of the input
   of the unembedding and of the last layer's MLP (when the sweep patches a site before
-  it, `_BEFORE_MLP`, or the pass patches nothing in the last layer; the MLP's output is
+  it, `Skips.last_mlp`, or the pass patches nothing in the last layer; the MLP's output is
   then added to every position of the residual stream, and only the last is read); the
   pass replacements of `safelens.patching._hf_lean` map the last query alone.
 
@@ -48,17 +49,15 @@ import torch
 
 from ..backends._backend import Backend
 from ..backends._override import overriding
+from ..backends._sites import TL_NAMES
 from ..backends.hf._sites import decoder_layers
 from ..backends.hf._skip import joining, output_form, skipping
 from ..core._thread_hooks import LIBRARIES
 from ._hf_lean import Lean
-from ._metric import reads_last_position
-from ._skips import AFTER_KEYS, BEFORE_RESID_MID, activations
+from ._skips import Skips
 
 __all__ = ["Check", "Shortcuts", "captured", "tolerance"]
 
-# Sites whose patch at the last layer sits before that layer's MLP.
-_BEFORE_MLP = activations(BEFORE_RESID_MID) | {"resid_mid"}
 # Tolerance of the check, relative to the largest logit: float32 (and wider), else half.
 _TOLERANCE = {True: 1e-4, False: 3e-2}
 # `check(shortcuts, entries, start)`: whether an unpatched pass from position `start`
@@ -133,6 +132,8 @@ class Shortcuts:
     backend: Backend
     residuals: list[torch.Tensor]
     forms: list[int]
+    # What the sweep's runs may skip (`Skips.of`); what follows is what this model takes.
+    allowed: Skips
     skips: bool = False
     last_only: bool = False
     trim: bool = False
@@ -227,16 +228,18 @@ class Shortcuts:
         """
         residuals = list(inputs)
         n_layers = backend.n_layers
-        last_only = reads_last_position(metric)
+        # A generic sweep's site (`generic`) is none of TransformerLens' named ones.
+        allowed = Skips.of(TL_NAMES.get(activation, activation), metric, partial)
+        last_only = allowed.last_only
         skips = n_layers > 1 and all(
             form is not None and tensor is not None
             for form, tensor in zip(forms, inputs, strict=True)
         )
-        trims = partial and last_only and isinstance(_unembedding(backend), torch.nn.Module)
+        trims = allowed.last_logits and isinstance(_unembedding(backend), torch.nn.Module)
         layers = decoder_layers(backend.model, n_layers)[1]
         mlp = getattr(layers[-1], "mlp", None)
         has_mlp = isinstance(mlp, torch.nn.Module)
-        trim_mlp = activation in _BEFORE_MLP and has_mlp
+        trim_mlp = allowed.last_mlp and has_mlp
         # A plain HuggingFace model's own modules (not a bridge's, with hook points inside).
         plain = partial and backend.family == "hf"
         lean = Lean(layers, activation) if plain else None
@@ -245,7 +248,7 @@ class Shortcuts:
         # across runs, which the pass replacements share when each pass starts there;
         # staggered, most runs join a pass later and share less (measured: a tenth
         # slower on attn_out grids), so those sites stagger only without them.
-        own_position = activation in activations(AFTER_KEYS)
+        own_position = allowed.own_position
         # Most shortcuts first; the pass replacements need none of the others.
         candidates = [
             (skips, trims, lean, stagger and (lean is None or not own_position)),
@@ -261,6 +264,7 @@ class Shortcuts:
                 backend,
                 residuals,
                 forms,
+                allowed,
                 skips=skip,
                 last_only=last_only,
                 trim=trim,
@@ -272,7 +276,7 @@ class Shortcuts:
             )
             if (skip or trim or leaner is not None) and _holds(check, chosen):
                 return chosen
-        return cls(backend, residuals, forms, False, last_only, partial=partial)
+        return cls(backend, residuals, forms, allowed, False, last_only, partial=partial)
 
     def tolerance(self) -> float:
         return tolerance(self.backend.dtype)

@@ -1,7 +1,7 @@
 """The shortcuts a sweep on a `HookedTransformer` takes: its `Plan`.
 
-What a patched run may skip is `safelens.patching._skips`'; here, how a
-`HookedTransformer` takes it. Runs start at the layer of their patch
+What a patched run may skip is `safelens.patching._skips`' (`Skips.of`, for both
+pass runners); here, what a `HookedTransformer` takes of it. Runs start at the layer of their patch
 (`start_at_layer`), several layers in one staggered pass (`safelens.patching._grid`).
 Positions before the patch are reused unless a layer attends both ways
 (`cfg.attention_dir`, or a layer's own override), or the patch spans every key
@@ -29,10 +29,9 @@ from transformer_lens import HookedTransformer
 from ..backends.hooked._backend import HookedBackend
 from ..backends.hooked._shared_attention import supports
 from ..core._thread_hooks import hooked_anywhere, hooked_here
-from ._metric import reads_last_position
-from ._skips import AFTER_INPUTS, AFTER_KEYS, BEFORE_QUERIES, BEFORE_RESID_MID, EVERY_KEY_POSITION
+from ._skips import Skips
 
-__all__ = ["Plan", "causal", "reads_last_position"]
+__all__ = ["Plan", "causal"]
 
 Hook = Callable[[torch.Tensor, object], torch.Tensor]
 
@@ -62,22 +61,22 @@ class Plan:
     @classmethod
     def of(cls, model: HookedTransformer, site: str, single_position: bool, metric: object) -> Plan:
         """The plan for patches at `site` (a name under `blocks.{layer}.`)."""
-        last_only = reads_last_position(metric)
-        if hooked_anywhere(model):
-            return cls(last_only, False, False, (), partial=False)
+        skips = Skips.of(site, metric, not hooked_anywhere(model))
+        if not skips.partial:
+            return cls(skips.last_only, False, False, (), partial=False)
+        cfg = model.cfg
+        prefix = f"blocks.{cfg.n_layers - 1}."
+        attn = model.blocks[-1].attn
+        rot_k = getattr(attn, "hook_rot_k", None)
+        unhooked = rot_k is None or not hooked_here(rot_k)
         trims: list[tuple[str, Hook]] = []
-        if last_only:
-            cfg = model.cfg
-            prefix = f"blocks.{cfg.n_layers - 1}."
-            attn = model.blocks[-1].attn
-            rot_k = getattr(attn, "hook_rot_k", None)
-            unhooked = rot_k is None or not hooked_here(rot_k)
-            if site in BEFORE_QUERIES and supports(attn) and unhooked:
-                trims.append((prefix + "attn.hook_q", _last_position))
-            if site in BEFORE_RESID_MID and not (cfg.attn_only or cfg.parallel_attn_mlp):
+        if skips.last_queries and supports(attn) and unhooked:
+            trims.append((prefix + "attn.hook_q", _last_position))
+        # The MLP's trim sits on `hook_resid_mid`, where it cannot follow a patch there.
+        if skips.last_mlp and site != "hook_resid_mid":
+            if not (cfg.attn_only or cfg.parallel_attn_mlp):
                 trims.append((prefix + "hook_resid_mid", _last_position))
-        reuses = causal(model) and site not in EVERY_KEY_POSITION
-        single = (
-            single_position and reuses and site in AFTER_KEYS and not model.cfg.use_dynamic_ntk_rope
-        )
-        return cls(last_only, reuses, single, tuple(trims), shares_inputs=site in AFTER_INPUTS)
+        reuses = skips.reuses_positions and causal(model)
+        single = single_position and reuses and skips.own_position
+        single = single and not cfg.use_dynamic_ntk_rope
+        return cls(skips.last_only, reuses, single, tuple(trims), shares_inputs=skips.shared_inputs)

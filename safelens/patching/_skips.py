@@ -1,10 +1,12 @@
 """What a patched run may skip: the shortcuts its patch site and its metric allow.
 
-Both patching engines take these shortcuts: on a `HookedTransformer`
-(`safelens.patching._plan`, `safelens.patching._grid`) and on a HuggingFace model or a
-TransformerBridge (`safelens.patching._hf_shortcuts`, `safelens.patching._hf_passes`,
-which check each on the model once per sweep and drop one that does not hold). A
-patched run needs only what its metric reads and what its patch can change:
+`Skips.of` says which of them one sweep's runs may take, from its site, its metric and
+whether a hook of the user's is attached; both pass runners take what it allows where
+the model can run it: a `HookedTransformer` by its config (`safelens.patching._plan`,
+`safelens.patching._grid`), a HuggingFace model or a TransformerBridge by checking each
+shortcut on the model once per sweep and dropping one that does not hold
+(`safelens.patching._hf_shortcuts`, `safelens.patching._hf_passes`). A patched run
+needs only what its metric reads and what its patch can change:
 
 - *Layers before the patch.* A patch at layer `l` changes nothing before it, so a run
   starts at layer `l` with the corrupted run's residual stream entering it.
@@ -44,8 +46,10 @@ TransformerLens; a metric of the last position still gets that position alone.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from ..backends._sites import TL_NAMES
+from ._metric import reads_last_position
 
 __all__ = [
     "AFTER_INPUTS",
@@ -54,6 +58,7 @@ __all__ = [
     "BEFORE_RESID_MID",
     "EVERY_KEY_POSITION",
     "INPUTS",
+    "Skips",
     "activations",
 ]
 
@@ -109,3 +114,52 @@ def activations(hooks: Iterable[str]) -> frozenset[str]:
     """The short names (`TL_NAMES`: `k`, `resid_pre`, …) of the activations at `hooks`."""
     hooks = set(hooks)
     return frozenset(name for name, hook in TL_NAMES.items() if hook in hooks)
+
+
+@dataclass(frozen=True)
+class Skips:
+    """What the patched runs of one sweep may skip (module notes), before asking the model.
+
+    - `last_only`: the metric reads the last position's logits alone.
+    - `partial`: no hook of the user's is attached, so a pass may run fewer positions
+      than the prompt's; without it, none of the others but `last_only` is allowed.
+    - `last_logits`: only the last position is unembedded (`partial` and `last_only`).
+    - `last_queries`, `last_mlp`: the last layer needs its queries, or its MLP, at the
+      last position alone (the patch sits before them: `BEFORE_QUERIES`;
+      `BEFORE_RESID_MID` or the MLP's input).
+    - `reuses_positions`: the runs may reuse the corrupted run's positions before their
+      patch, in a causal model (not for `EVERY_KEY_POSITION`).
+    - `own_position`: a by-position patch changes its own position alone at its layer
+      (`AFTER_KEYS`: *single position*, and a last-layer patch at an earlier position
+      changes nothing a last-position metric reads).
+    - `shared_inputs`: the attention's input maps see equal inputs across the runs
+      entering a layer (`AFTER_INPUTS`).
+    """
+
+    last_only: bool
+    partial: bool
+    last_logits: bool
+    last_queries: bool
+    last_mlp: bool
+    reuses_positions: bool
+    own_position: bool
+    shared_inputs: bool
+
+    @classmethod
+    def of(cls, hook: str, metric: object, partial: bool) -> Skips:
+        """What patches at `hook` (a name under `blocks.{layer}.`) may skip for `metric`.
+
+        `partial`: whether no hook of the user's is attached to the model.
+        """
+        last_only = reads_last_position(metric)
+        trims = partial and last_only
+        return cls(
+            last_only=last_only,
+            partial=partial,
+            last_logits=trims,
+            last_queries=trims and hook in BEFORE_QUERIES,
+            last_mlp=trims and hook in BEFORE_RESID_MID | {"hook_resid_mid"},
+            reuses_positions=partial and hook not in EVERY_KEY_POSITION,
+            own_position=partial and hook in AFTER_KEYS,
+            shared_inputs=partial and hook in AFTER_INPUTS,
+        )
