@@ -4,6 +4,9 @@ and what cannot run is refused with the reason.
 - Granite-MoE's MLP is a mixture of experts named `block_sparse_moe`: `mlp_out` is its
   output.
 - Apertus names the norm before its MLP `feedforward_layernorm`: `resid_mid` is its input.
+- OLMo-2 normalises its attention's and MLP's outputs instead of their inputs (post-norm)
+  and hands its MLP the residual stream itself: `resid_mid` is the MLP's input; the
+  reference patches the normalised attention output so that the sum is the clean one.
 - BLOOM's attention and MLP add the residual stream to their own outputs, so those
   outputs are `resid_mid` and `resid_post`: `attn_out` and `mlp_out` are refused there,
   and left out of the clean cache; its attention computes outside transformers'
@@ -114,6 +117,85 @@ def test_an_mlp_norm_named_feedforward_layernorm_is_patched_as_resid_mid():
     assert (expected - expected[0, 0]).abs().max() > 1e-3
     got = safelens.get_act_patch_resid_mid(lm, corrupted, clean_cache, batched, progress=False)
     assert (got - expected).abs().max() <= TOL
+
+
+def test_a_post_norm_family_patches_resid_mid_at_its_mlps_input():
+    lm = _model(transformers.Olmo2Config(**SIZES))
+    clean, corrupted = prompts()
+    layers = lm.model.layers
+    # Reference: resid_mid = the layer's input + its normalised attention output; the
+    # latter patched so that the sum at one position is the clean run's.
+    kept: dict[tuple[str, int], torch.Tensor] = {}
+
+    def keep(key):
+        return lambda module, args, out=None: kept.__setitem__(
+            key, (args[0] if out is None else out).detach().clone()
+        )
+
+    handles = [layer.register_forward_pre_hook(keep(("in", i))) for i, layer in enumerate(layers)]
+    handles += [
+        layer.post_attention_layernorm.register_forward_hook(keep(("add", i)))
+        for i, layer in enumerate(layers)
+    ]
+    with torch.no_grad():
+        lm(clean)
+    for handle in handles:
+        handle.remove()
+    clean_mid = {i: kept["in", i] + kept["add", i] for i in range(len(layers))}
+    expected = torch.zeros(len(layers), clean.shape[1])
+    for i, layer in enumerate(layers):
+        for pos in range(clean.shape[1]):
+            seen: dict[str, torch.Tensor] = {}
+
+            def patch(module, args, out, i=i, pos=pos, seen=seen):
+                out = out.clone()
+                out[:, pos] = clean_mid[i][:, pos] - seen["in"][:, pos]
+                return out
+
+            handles = [
+                layer.register_forward_pre_hook(
+                    lambda module, args, seen=seen: seen.__setitem__("in", args[0])
+                ),
+                layer.post_attention_layernorm.register_forward_hook(patch),
+            ]
+            with torch.no_grad():
+                expected[i, pos] = metric(lm(corrupted).logits)
+            for handle in handles:
+                handle.remove()
+    assert (expected - expected[0, 0]).abs().max() > 1e-3
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    for sweep_metric in (metric, last_position):
+        got = safelens.get_act_patch_resid_mid(
+            lm, corrupted, clean_cache, sweep_metric, progress=False
+        )
+        assert (got - expected).abs().max() <= TOL
+    # Attribution reads it there too: the gradient of the whole residual stream (the
+    # MLP's input and the sum after it), from the model's own autograd.
+    residual: dict[int, torch.Tensor] = {}
+
+    def retain(i):
+        def hook(module, args):
+            args[0].retain_grad()
+            residual[i] = args[0]
+
+        return hook
+
+    handles = [layer.mlp.register_forward_pre_hook(retain(i)) for i, layer in enumerate(layers)]
+    with torch.enable_grad():  # the tests run without gradients (`conftest`)
+        value = metric(lm(corrupted).logits)
+        value.backward()
+    for handle in handles:
+        handle.remove()
+    lm.zero_grad(set_to_none=True)
+    grads = torch.stack([residual[i].grad for i in range(len(layers))])
+    corrupted_mid = torch.stack([residual[i].detach() for i in range(len(layers))])
+    clean_mids = torch.stack([clean_mid[i] for i in range(len(layers))])
+    estimate = ((clean_mids - corrupted_mid) * grads).sum(-1).sum(1) + value.detach()
+    result = safelens.attribution_patch(
+        lm, corrupted, clean_cache, metric, activations=["resid_mid"]
+    )
+    torch.testing.assert_close(result.estimates["resid_mid"], estimate, atol=1e-4, rtol=1e-4)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in lm.modules())
 
 
 def _bloom() -> torch.nn.Module:

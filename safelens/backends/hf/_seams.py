@@ -12,8 +12,10 @@ attention and MLP. Its activations are still reached at seams every family share
 - *head outputs*: the input of the attention's output projection (`o_proj`, GPT-2's
   `c_proj`, `dense`, `out_proj`), seen as `[batch, pos, n_heads, d_head]`.
 - *the residual stream between attention and MLP*: the input of the norm before the
-  MLP ([`mlp_norm`][safelens.backends.hf._seams.mlp_norm]), edited in place, since
-  the decoder layer adds the same tensor back after its MLP.
+  MLP ([`mlp_norm`][safelens.backends.hf._seams.mlp_norm]), or in the post-norm
+  families that hand the MLP the residual stream itself (OLMo-2, OLMo-3, FlexOlmo,
+  EXAONE-4) the MLP's input, edited in place, since the decoder layer adds the same
+  tensor back after its MLP.
 - *the residual stream entering a layer*: the decoder layer's input.
 
 Edits are plain PyTorch pre-hooks, or dispatch entries, that act in the calling thread's
@@ -66,6 +68,10 @@ MLP_NORMS = (
     "feedforward_layernorm",
     "ln_2",
 )
+# Post-norm families whose MLP reads the residual stream itself (`residual =
+# hidden_states; hidden_states = self.mlp(hidden_states)`), normalising the attention's
+# and the MLP's outputs before adding them: their resid_mid is the MLP's input.
+POST_NORM_FAMILIES = frozenset({"olmo2", "olmo3", "flex_olmo", "exaone4"})
 # Config flags of families whose attention and MLP read the same input in parallel.
 PARALLEL_FLAGS = ("use_parallel_residual", "parallel_attn", "new_decoder_architecture")
 PARALLEL_FAMILIES = frozenset(
@@ -142,8 +148,12 @@ def output_projection(layer: torch.nn.Module, index: int) -> torch.nn.Module:
 def mlp_norm(layer: torch.nn.Module, index: int, config: Any) -> torch.nn.Module:
     """The norm before decoder layer `index`'s MLP: its input is the residual stream `resid_mid`.
 
+    In a post-norm family of `POST_NORM_FAMILIES`, the MLP itself, which reads the
+    residual stream.
+
     **Raises:** `PatchingError` for a family with no residual stream between attention
-    and MLP (parallel attention and MLP), a post-norm family, or none of `MLP_NORMS`.
+    and MLP (parallel attention and MLP), another post-norm family, or none of
+    `MLP_NORMS`.
     """
     family = getattr(config, "model_type", type(layer).__name__)
     flags = [flag for flag in PARALLEL_FLAGS if getattr(config, flag, False) is True]
@@ -154,10 +164,12 @@ def mlp_norm(layer: torch.nn.Module, index: int, config: Any) -> torch.nn.Module
             "there is no residual stream between them, so no resid_mid to patch; patch "
             "resid_pre, attn_out or mlp_out instead"
         )
+    post_norm = hasattr(layer, "post_feedforward_layernorm")
+    if family in POST_NORM_FAMILIES and post_norm and child_named(layer, ("mlp",)):
+        mlp: torch.nn.Module = getattr(layer, "mlp")  # noqa: B009 - typed as a module
+        return mlp
     name = child_named(layer, MLP_NORMS)
-    if name is None or (
-        name == "post_attention_layernorm" and hasattr(layer, "post_feedforward_layernorm")
-    ):
+    if name is None or (name == "post_attention_layernorm" and post_norm):
         raise PatchingError(
             f"decoder layer {index} of {family} has no norm before its MLP "
             f"({', '.join(MLP_NORMS)}; a post-norm family normalises the attention output "
