@@ -16,8 +16,11 @@ skip (`_skips`), the metric (`_metric`). Each adapter declares its sites
 `runner_of(model)` picks the runner by the model's classes
 ([`family_of`][safelens.backends._families.family_of]) and refuses any other model with
 a `PatchingError` naming what arrived. The named sweeps, the pattern sweeps, the
-`*_every` bundles, `generic_activation_patch` and `patch_dataset` ask it, and nothing
-else reads the family. The `HookedTransformer` runner imports TransformerLens'
+`*_every` bundles, `generic_activation_patch` and `patch_dataset` ask it for their
+runner; below the runners, the family an adapter reports (`Backend.family`) still
+chooses a few things a protocol method does not say: the call that makes a clean cache
+(for messages), a bridge's attention mask and plain-model passes, and attribution's
+gradient pass. The `HookedTransformer` runner imports TransformerLens'
 `HookedTransformer` only when it runs, so this module loads on TransformerLens 4.
 """
 
