@@ -164,6 +164,24 @@ def test_estimates_equal_autograd_through_plain_torch_hooks(family):
         assert (expected[name] - baseline).abs().max() > 1e-4  # the grids measure something
 
 
+def test_the_qk_fix_is_refused_where_attention_has_sinks_and_plain_estimates_run():
+    """GPT-OSS: a learned sink logit per head joins each softmax, which the fix does not know."""
+    lm = model("gpt_oss")
+    clean, corrupted = ids(2, 7, seed=11), ids(2, 7, seed=12)
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    with pytest.raises(PatchingError, match=r"learned sink per head \(GptOssAttention.sinks"):
+        attribution_patch(lm, corrupted, clean_cache, linear_metric, activations=["v", "k"])
+    with pytest.raises(PatchingError, match="learned sink per head"):
+        safelens.attribution_patch_dataset(
+            lm, clean, corrupted, linear_metric, activations=["q"], progress=False
+        )
+    plain = attribution_patch(
+        lm, corrupted, clean_cache, linear_metric, activations=["k"], qk_fix=False
+    )
+    assert plain.estimates["k"].isfinite().all()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in lm.modules())
+
+
 def sharp_pair(family: str) -> tuple[torch.nn.Module, TransformerBridge]:
     """An HF model with large weights (sharp, saturating attention) and a bridge of a copy."""
     config = CONFIGS[family](2)

@@ -110,6 +110,8 @@ def plan(
     fixed = qk_fix and bool(FIXED & set(chosen))
     if backend.family == "hooked":
         _check_hooked_attention(model.cfg, fixed)
+    elif fixed:
+        _check_no_sinks(backend.model)
     sites: dict[str, Site] = {name: backend.read_site(name) for name in chosen}
     qk = _qk_sites(backend, chosen, what) if fixed else None
     _check_no_dropout(backend.model)
@@ -130,6 +132,22 @@ def _qk_sites(backend: Any, chosen: Sequence[str], what: str) -> Any:
             f"pattern, which this model does not expose ({error}); pass qk_fix=False for "
             f"plain gradient estimates of {fixed}"
         ) from error
+
+
+def _check_no_sinks(model: torch.nn.Module) -> None:
+    """Refuse the QK fix on a model whose attention softmax takes a learned sink per head.
+
+    GPT-OSS and Granite-SWA (`sinks`, handed to attention as `s_aux`): a sink's logit
+    joins every query's softmax, which the fix's exact softmax does not know.
+    """
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            raise PatchingError(
+                "the QK fix recomputes attention from the keys and queries, which this "
+                f"model's attention also normalises with a learned sink per head "
+                f"({type(module).__name__}.sinks at {name!r}); pass qk_fix=False for plain "
+                "gradient estimates of k and q"
+            )
 
 
 def _check_hooked_attention(cfg: Any, qk_fix: bool) -> None:
