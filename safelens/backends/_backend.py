@@ -96,6 +96,8 @@ class Backend(ABC):
 
     family: ClassVar[str]
     caches: ClassVar[CacheOps]
+    # The call that makes a patching sweep's clean cache of this family, for messages.
+    clean_cache_call: ClassVar[str]
     reuses_residuals: bool = False
 
     model: Any

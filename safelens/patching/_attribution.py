@@ -49,7 +49,7 @@ from ..core._errors import PatchingError
 from ..core._repr import summary_repr
 from ._attribution_pass import Reads, corrupted_pass
 from ._attribution_plan import FIXED, HEAD_SITES, Activation, Plan, plan
-from ._clean_cache import CLEAN_CACHE_OF, axes_of, backend_sizes, check_clean_cache, shape_error
+from ._clean_cache import axes_of, backend_sizes, check_clean_cache, shape_error
 from ._generic import generic_activation_patch
 from ._hf_sites import _tokens, clean_activation
 from ._hf_sweeps import Run, run_sweep
@@ -115,7 +115,7 @@ def _clean(
             tuple(like.shape[1:]),
             like.shape[0],
             axes_of(name),
-            CLEAN_CACHE_OF[plan.backend.family],
+            plan.backend.clean_cache_call,
         )
     return clean.to(like.device, like.dtype).expand_as(like)
 
@@ -240,7 +240,7 @@ def attribution_patch(
     _check_limits(max_batch, max_bytes, progress)
     backend = backend_of(model, "attribution_patch")
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
-    check_clean_cache(clean_cache, backend_sizes(backend), CLEAN_CACHE_OF[backend.family])
+    check_clean_cache(clean_cache, backend_sizes(backend), backend.clean_cache_call)
     check_metric(patching_metric)
     chosen = plan(model, activations, qk_fix, clean_cache, tokens)
     reads = corrupted_pass(backend, tokens, chosen.reads(), patching_metric)

@@ -23,7 +23,6 @@ from ..backends._backend import Backend
 from ..core._errors import PatchingError
 
 __all__ = [
-    "CLEAN_CACHE_OF",
     "ModelSizes",
     "axes_of",
     "backend_sizes",
@@ -31,13 +30,6 @@ __all__ = [
     "hooked_sizes",
     "shape_error",
 ]
-
-# The call that makes a clean cache, by backend family, for the messages.
-CLEAN_CACHE_OF = {
-    "hooked": "model.run_with_cache(clean_tokens)",
-    "bridge": "bridge.run_with_cache(clean_tokens)",
-    "hf": "safelens.run_with_patching_cache(model, clean_tokens)",
-}
 
 # The axes after `batch` of the activations a clean cache holds, by the hook name after
 # the layer: TransformerLens' names (`ActivationCache`, a bridge's, the HuggingFace dict

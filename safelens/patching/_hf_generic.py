@@ -33,8 +33,9 @@ import torch
 from ..backends._backend import Backend
 from ..backends._families import backend_of
 from ..backends._sites import TL_NAMES, Site
+from ..backends.bridge._backend import BridgeBackend
 from ..core._errors import PatchingError
-from ._clean_cache import CLEAN_CACHE_OF, axes_of, backend_sizes, check_clean_cache, shape_error
+from ._clean_cache import axes_of, backend_sizes, check_clean_cache, shape_error
 from ._hf_sites import _tokens, clean_activation
 from ._hf_sweeps import Editor, Run, run_sweep
 from ._index import check_index_choice, check_setter_result, index_grid
@@ -64,7 +65,7 @@ def seam_generic(
     _check_limits(max_batch, max_bytes, progress)
     check_index_choice(index_axis_names, index_df)
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
-    check_clean_cache(clean_cache, backend_sizes(backend), CLEAN_CACHE_OF[backend.family])
+    check_clean_cache(clean_cache, backend_sizes(backend), backend.clean_cache_call)
     batch, length = tokens.shape
     if backend.family == "bridge":
         site, clean = _bridge_site(model, activation_name, clean_cache, batch)
@@ -95,7 +96,7 @@ def seam_generic(
                     tuple(tensor.shape[1:]),
                     batch,
                     axes_of(names[layer]),
-                    CLEAN_CACHE_OF[backend.family],
+                    backend.clean_cache_call,
                 )
             for place, run in at:
                 rows = tensor[place * batch : (place + 1) * batch]
@@ -173,7 +174,7 @@ def _clean(clean_cache: Any, name: str, batch: int) -> torch.Tensor:
     except KeyError:
         raise PatchingError(
             f"clean_cache has no activation {name!r}; pass the clean cache of "
-            f"{CLEAN_CACHE_OF['bridge']}"
+            f"{BridgeBackend.clean_cache_call}"
         ) from None
     if not isinstance(clean, torch.Tensor) or clean.shape[0] not in (1, batch):
         raise PatchingError(

@@ -30,7 +30,7 @@ from ..backends.hf._seams import Edit, seam_edits
 from ..backends.hf._sites import decoder_layers, layer_device
 from ..core._errors import PatchingError
 from ..core._tokens import check_tokens
-from ._clean_cache import CLEAN_CACHE_OF, shape_error
+from ._clean_cache import shape_error
 
 __all__ = [
     "clean_activation",
@@ -59,7 +59,7 @@ def clean_activation(
 ) -> torch.Tensor:
     """The clean activation of `site` at `layer`, checked, in the hook's layout, `batch` rows."""
     name = site.clean(layer)
-    how = CLEAN_CACHE_OF[backend.family]
+    how = backend.clean_cache_call
     try:
         clean = clean_cache[name]
     except (KeyError, TypeError):

@@ -48,7 +48,7 @@ from ..backends._families import backend_of
 from ..backends._sites import Site
 from ..core._errors import PatchingError
 from ..core._thread_hooks import hooked_anywhere
-from ._clean_cache import CLEAN_CACHE_OF, backend_sizes, check_clean_cache
+from ._clean_cache import backend_sizes, check_clean_cache
 from ._engine import Planned, Run, score
 from ._grouping import with_positions_before
 from ._hf_passes import Editor, Pass, passes
@@ -106,7 +106,7 @@ def seam_patch(
     backend = backend_of(model, "patching")
     site = backend.patch_site(activation, clean_cache)
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
-    check_clean_cache(clean_cache, backend_sizes(backend), CLEAN_CACHE_OF[backend.family])
+    check_clean_cache(clean_cache, backend_sizes(backend), backend.clean_cache_call)
     batch, length = tokens.shape
     clean = [
         clean_activation(backend, site, clean_cache, layer, batch, length)
@@ -138,7 +138,7 @@ def check_seam_bundle(
     """
     backend = backend_of(model, bundle)
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
-    check_clean_cache(clean_cache, backend_sizes(backend), CLEAN_CACHE_OF[backend.family])
+    check_clean_cache(clean_cache, backend_sizes(backend), backend.clean_cache_call)
     # The pattern last: its probe pass (which says why a bridge may not have it) after
     # the checks that need no forward pass.
     for activation in sorted(activations, key=lambda activation: activation == "pattern"):

@@ -30,8 +30,9 @@ from jaxtyping import Int
 from ..backends._backend import Backend
 from ..backends._sites import TL_NAMES, tl_site
 from ..backends._supported import SupportedModel
+from ..backends.hooked._backend import HookedBackend
 from ..core._errors import PatchingError
-from ._clean_cache import CLEAN_CACHE_OF, check_clean_cache, hooked_sizes
+from ._clean_cache import check_clean_cache, hooked_sizes
 from ._engine import Run, patch_index, put
 from ._limits import DEFAULT_MAX_BYTES, _check_limits
 from ._metric import Metric
@@ -185,7 +186,7 @@ def check_hooked_bundle(
     bundle: str,
 ) -> None:
     """A `PatchingError` if `clean_cache` lacks what a sweep of a `*_every` `bundle` patches."""
-    check_clean_cache(clean_cache, hooked_sizes(model.cfg), CLEAN_CACHE_OF["hooked"])
+    check_clean_cache(clean_cache, hooked_sizes(model.cfg), HookedBackend.clean_cache_call)
     for activation in activations:
         for layer in range(model.cfg.n_layers):
             name = f"blocks.{layer}.{TL_NAMES[activation]}"

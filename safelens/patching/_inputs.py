@@ -26,9 +26,10 @@ import torch
 from transformer_lens import ActivationCache, HookedTransformer
 from transformer_lens.utilities import get_act_name
 
+from ..backends.hooked._backend import HookedBackend
 from ..core._errors import PatchingError
 from ..core._tokens import check_tokens
-from ._clean_cache import CLEAN_CACHE_OF, axes_of, check_clean_cache, hooked_sizes, shape_error
+from ._clean_cache import axes_of, check_clean_cache, hooked_sizes, shape_error
 from ._grid import CorruptedRun, Metric, Patcher, Run, sweep
 from ._index import check_setter_result, index_grid
 from ._limits import DEFAULT_MAX_BYTES
@@ -61,7 +62,7 @@ class _Sweep:
         if isinstance(tokens, torch.Tensor) and tokens.dim() == 1:
             tokens = tokens[None]
         tokens = check_tokens(tokens, model.cfg, "corrupted_tokens")
-        check_clean_cache(clean_cache, hooked_sizes(model.cfg), CLEAN_CACHE_OF["hooked"])
+        check_clean_cache(clean_cache, hooked_sizes(model.cfg), HookedBackend.clean_cache_call)
         self.model = model
         self.tokens = tokens.to(model.cfg.device)
         self.batch, self.length = self.tokens.shape
@@ -132,7 +133,7 @@ class _Sweep:
                 tuple(self.expected(layer)),
                 self.batch,
                 axes_of(name),
-                CLEAN_CACHE_OF["hooked"],
+                HookedBackend.clean_cache_call,
             )
         # Cast to the activation's dtype, as TransformerLens' setters' assignments do, on
         # its layer's device (`cfg.n_devices > 1` spreads the blocks over devices).

@@ -18,9 +18,11 @@ skip (`_skips`), the metric (`_metric`). Each adapter declares its sites
 a `PatchingError` naming what arrived. The named sweeps, the pattern sweeps, the
 `*_every` bundles, `generic_activation_patch` and `patch_dataset` ask it for their
 runner; below the runners, the family an adapter reports (`Backend.family`) still
-chooses a few things a protocol method does not say: the call that makes a clean cache
-(for messages), a bridge's attention mask and plain-model passes, and attribution's
-gradient pass. The `HookedTransformer` runner imports TransformerLens'
+chooses a few things a protocol method does not say: a bridge's attention mask and
+plain-model passes, how a HuggingFace clean cache is made for a dataset, and
+attribution's gradient pass and reference sweep. What the adapter declares (its sites,
+`Backend.patch_site`; the call that makes its clean cache, `Backend.clean_cache_call`)
+is read from it. The `HookedTransformer` runner imports TransformerLens'
 `HookedTransformer` only when it runs, so this module loads on TransformerLens 4.
 """
 

@@ -66,6 +66,7 @@ class BridgeBackend(HFBackend):
     """A TransformerLens `TransformerBridge`, as the experiments see it."""
 
     family = "bridge"
+    clean_cache_call = "bridge.run_with_cache(clean_tokens)"
     caches = BRIDGE_CACHE
 
     def __init__(self, model: Any) -> None:

@@ -175,6 +175,7 @@ class HFBackend(Backend):
     """A HuggingFace causal LM (`PreTrainedModel` with `generate`), as the experiments see it."""
 
     family = "hf"
+    clean_cache_call = "safelens.run_with_patching_cache(model, clean_tokens)"
     caches = HF_CACHE
 
     def __init__(self, model: Any) -> None:

@@ -111,6 +111,7 @@ class HookedBackend(Backend):
     """A TransformerLens `HookedTransformer`, as the experiments see it."""
 
     family = "hooked"
+    clean_cache_call = "model.run_with_cache(clean_tokens)"
     caches = KEY_VALUE_CACHE
 
     def __init__(self, model: Any) -> None:
