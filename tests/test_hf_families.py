@@ -31,6 +31,7 @@ from test_patching_every_hf import batched, last_position, metric, prompts
 
 import safelens
 from safelens import CacheConfigError, PatchingError, run_with_patching_cache
+from safelens.patching import _hf_shortcuts
 
 TOL = 1e-4
 SIZES = dict(
@@ -169,6 +170,24 @@ def test_a_post_norm_family_patches_resid_mid_at_its_mlps_input():
             lm, corrupted, clean_cache, sweep_metric, progress=False
         )
         assert (got - expected).abs().max() <= TOL
+    # Passes that cannot skip layers run the last layer's patches with the others, where
+    # the MLP's last-position trim (a pre-hook on the MLP) must not cut the patched input.
+    plain = _hf_shortcuts.Shortcuts.of.__func__
+
+    def no_skipping(cls, backend, activation, metric, inputs, forms, check, *rest):
+        def whole(shortcuts, entries, start):
+            return not shortcuts.skips and check(shortcuts, entries, start)
+
+        chosen = plain(cls, backend, activation, metric, inputs, forms, whole, *rest)
+        assert chosen.trim and not chosen.skips
+        return chosen
+
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(_hf_shortcuts.Shortcuts, "of", classmethod(no_skipping))
+        got = safelens.get_act_patch_resid_mid(
+            lm, corrupted, clean_cache, last_position, progress=False
+        )
+    assert (got - expected).abs().max() <= TOL
     # Attribution reads it there too: the gradient of the whole residual stream (the
     # MLP's input and the sum after it), from the model's own autograd.
     residual: dict[int, torch.Tensor] = {}

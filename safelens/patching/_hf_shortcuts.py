@@ -50,6 +50,7 @@ import torch
 from ..backends._backend import Backend
 from ..backends._override import overriding
 from ..backends._sites import TL_NAMES
+from ..backends.hf._seams import mlp_norm
 from ..backends.hf._sites import decoder_layers
 from ..backends.hf._skip import joining, output_form, skipping
 from ..core._thread_hooks import LIBRARIES
@@ -240,6 +241,11 @@ class Shortcuts:
         mlp = getattr(layers[-1], "mlp", None)
         has_mlp = isinstance(mlp, torch.nn.Module)
         trim_mlp = allowed.last_mlp and has_mlp
+        if trim_mlp and activation == "resid_mid" and backend.family == "hf":
+            # The MLP's trim is a pre-hook on it, which runs before the sweep's edits: a
+            # post-norm family's `resid_mid`, edited at the MLP's own input (`mlp_norm`),
+            # would be written into the trimmed last position.
+            trim_mlp = mlp_norm(layers[-1], n_layers - 1, backend.config) is not mlp  # type: ignore[attr-defined]
         # A plain HuggingFace model's own modules (not a bridge's, with hook points inside).
         plain = partial and backend.family == "hf"
         lean = Lean(layers, activation) if plain else None
