@@ -2,8 +2,9 @@
 
 The model families of the HF backend: GPT-2 (raw keys), Llama (GQA), Qwen2 (qkv bias),
 Mistral (sliding window), Gemma-2 (hybrid sliding window, soft-capping, eager attention),
-Phi-3 and GPT-OSS (attention sinks, hybrid sliding window, mixture of experts). No download; `model` caches each, so tests must leave its hooks as found.
-Models and token ids are on `devices.DEVICE` (`SAFELENS_TEST_DEVICE`).
+Phi-3 and GPT-OSS (attention sinks, hybrid sliding window, mixture of experts). No
+download; `model` caches each, so tests must leave its hooks as found. Models and token
+ids are on `devices.DEVICE` (`SAFELENS_TEST_DEVICE`).
 """
 
 from __future__ import annotations

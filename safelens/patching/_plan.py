@@ -1,8 +1,9 @@
 """The shortcuts a sweep on a `HookedTransformer` takes: its `Plan`.
 
 What a patched run may skip is `safelens.patching._skips`' (`Skips.of`, for both
-pass runners); here, what a `HookedTransformer` takes of it. Runs start at the layer of their patch
-(`start_at_layer`), several layers in one staggered pass (`safelens.patching._grid`).
+pass runners); here, what a `HookedTransformer` takes of it. Runs start at the layer of
+their patch (`start_at_layer`), several layers in one staggered pass
+(`safelens.patching._grid`).
 Positions before the patch are reused unless a layer attends both ways
 (`cfg.attention_dir`, or a layer's own override), or the patch spans every key
 position. For a metric of the last position, the last layer runs the last query alone

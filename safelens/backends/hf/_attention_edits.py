@@ -12,10 +12,11 @@ scores or patterns the layer's attention is computed here, eagerly (`_eager`): s
 mask HuggingFace hands the function, then the pattern `softmax(scores)` in float32, then
 `pattern @ value`. A family with attention sinks (GPT-OSS, Granite-SWA: a learned logit
 per head, `s_aux`, that joins every query's softmax and attends to nothing) gets the
-pattern `softmax([scores, sink])` without the sink's column, as GPT-OSS's eager
-attention returns it: each row leaves the sink's share out and sums to less than 1. Every other module, and every other thread, runs the function it
-always runs; the registry's entries are restored when the last block exits. The other
-seams of a decoder layer are `safelens.backends.hf._seams`'.
+pattern `softmax([scores, sink])` without the sink's column (`sink_softmax`), as
+GPT-OSS's eager attention returns it: each row leaves the sink's share out and sums to
+less than 1. Every other module, and every other thread, runs the function it always
+runs; the registry's entries are restored when the last block exits. The other seams of
+a decoder layer are `safelens.backends.hf._seams`'.
 
 Caveat: a family whose attention computes outside `ALL_ATTENTION_FUNCTIONS` (GPT-2
 with `reorder_and_upcast_attn`, a model's own attention registry) never reaches this
@@ -36,7 +37,7 @@ import torch
 
 from ...core._errors import PatchingError
 
-__all__ = ["ATTENTION_POINTS", "Edit", "attention_edits", "sink_logits"]
+__all__ = ["ATTENTION_POINTS", "Edit", "attention_edits", "sink_logits", "sink_softmax"]
 
 # `edit(tensor) -> tensor | None`: what a seam's tensor becomes (`None`: as it is, or
 # edited in place).
@@ -167,13 +168,7 @@ def _eager(
     changed = False
     if "attn_scores" in edits:
         scores, changed = _read_or_edited(edits["attn_scores"], scores)
-    sinks = None if s_aux is None else sink_logits(s_aux, query)
-    if sinks is None:
-        pattern = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    else:  # one more logit per row, whose share attends to nothing
-        sinks = sinks.to(scores.device, torch.float32).expand(*scores.shape[:-1], 1)
-        combined = torch.cat([scores.to(torch.float32), sinks], dim=-1)
-        pattern = torch.softmax(combined, dim=-1)[..., :-1].to(query.dtype)
+    pattern = sink_softmax(scores, sink_logits(s_aux, query)).to(query.dtype)
     if "pattern" in edits:
         pattern, edited = _read_or_edited(edits["pattern"], pattern)
         changed |= edited
@@ -190,6 +185,19 @@ def sink_logits(s_aux: Any, query: torch.Tensor) -> torch.Tensor | None:
     if not isinstance(s_aux, torch.Tensor) or s_aux.dim() != 1 or s_aux.numel() != heads:
         return None
     return s_aux.reshape(1, heads, 1, 1)
+
+
+def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The float32 softmax of `scores` over the last axis, with a sink logit per row if given.
+
+    `sinks` broadcasts to `scores[..., :1]`: one more logit per row, whose share attends
+    to nothing and is left out, so a row then sums to less than 1.
+    """
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    column = sinks.to(scores.device, torch.float32).expand(*scores.shape[:-1], 1)
+    combined = torch.cat([scores.to(torch.float32), column], dim=-1)
+    return torch.softmax(combined, dim=-1)[..., :-1]
 
 
 def _read_or_edited(edit: Edit, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -35,7 +35,7 @@ from jaxtyping import Float
 from transformers.modeling_utils import AttentionInterface
 
 from ...core._storage import Sequence
-from ._attention_edits import sink_logits
+from ._attention_edits import sink_logits, sink_softmax
 
 __all__ = ["THREAD", "note_read", "shared_attention"]
 
@@ -136,7 +136,7 @@ def shared_attention(
     softcap = kwargs.get("softcap")
     dropout = kwargs.get("dropout", 0.0)
     s_aux = kwargs.get("s_aux")
-    sinks = None if s_aux is None else sink_logits(s_aux, query)
+    sinks = sink_logits(s_aux, query)
     if (
         kwargs.get("output_attentions")
         or any(kwargs.get(name) is not None for name in _REFUSED)
@@ -182,8 +182,9 @@ def _shared_read(
     """Eager attention, with the broadcast prefix read once for all rows.
 
     `sinks`: `[1, n_heads, 1, 1]` logits that join each query's softmax and attend to
-    nothing (`sink_logits`). Works head-first, `[n_kv_heads, batch, group, pos, ...]`, so that the prefix is one
-    matmul per key/value head and its slice of the pattern needs no copy.
+    nothing (`sink_logits`). Works head-first, `[n_kv_heads, batch, group, pos, ...]`,
+    so that the prefix is one matmul per key/value head and its slice of the pattern
+    needs no copy.
     """
     batch, n_heads, pos, d_head = query.shape
     kv_heads = key.shape[1]
@@ -214,13 +215,9 @@ def _shared_read(
             else additive.reshape(mask.shape[0], kv_heads, group, pos, length).transpose(0, 1)
         )
         scores = scores.add_(heads_mask)
-    if sinks is None:
-        pattern = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    else:
-        column = sinks.to(scores.device, torch.float32).view(kv_heads, 1, group, 1, 1)
-        column = column.expand(kv_heads, batch, group, pos, 1)
-        combined = torch.cat([scores.to(torch.float32), column], dim=-1)
-        pattern = torch.softmax(combined, dim=-1)[..., :-1]
+    if sinks is not None:
+        sinks = sinks.view(kv_heads, 1, group, 1, 1)  # head-first, as the scores
+    pattern = sink_softmax(scores, sinks)
     if blind:
         # A query that may see no key gets zeros, as `sdpa` gives it.
         pattern = torch.nan_to_num(pattern, nan=0.0)
