@@ -36,12 +36,12 @@ docs show gradients: one trace of the clean prompt saving the sites; one trace o
 corrupted prompt saving them, the metric's `.backward()` and each site's `.grad`; the
 estimate `(clean - corrupted) · grad` summed over `d_model` (over `d_head` per head),
 plus the corrupted metric. Without the QK fix the two must agree to 1e-4. Targets: ≥1×
-nnsight without the fix, at most 2× its time with it. Skipped while safelens refuses
-attribution on plain HuggingFace models.
+nnsight without the fix, at most 2× its time with it.
 
 Keys are patched before the rotary embedding by the peers and after it by safelens:
-for a patch at one position the same patch. A grid safelens cannot yet compute on a
-plain HuggingFace model is listed and skipped. Target: every grid ≥3× each peer.
+for a patch at one position the same patch. Every grid must run: a grid or attribution
+safelens refuses raises its `PatchingError` and ends the run. Target: every grid ≥3× each
+peer.
 
 Run: `python -m benchmarks.bench_peers [--quick]`.
 """
@@ -61,7 +61,7 @@ import torch
 import transformers
 
 from benchmarks._common import Row, best_time, best_times, declared_logit_difference
-from safelens import PatchingError, run_with_patching_cache
+from safelens import run_with_patching_cache
 
 TARGET = "≥3× {peer}'s fastest way, ≤1e-4"
 VOCAB = 1000
@@ -337,7 +337,7 @@ def _timed_in_turn(
 
 
 def grid_rows(family: str, model: torch.nn.Module, length: int, sizes: Sizes) -> list[Row]:
-    """One row per (grid, peer) at `length` tokens; grids safelens cannot run are skipped."""
+    """One row per (grid, peer) at `length` tokens; a grid safelens refuses fails the run."""
     import safelens
 
     generator = torch.Generator().manual_seed(length)
@@ -358,11 +358,7 @@ def grid_rows(family: str, model: torch.nn.Module, length: int, sizes: Sizes) ->
                     model, corrupted, clean_cache, declared_logit_difference, progress=False
                 )
 
-            try:
-                mine = ours().reshape(sizes.layers, length, heads)
-            except PatchingError as error:
-                print(f"skipped {activation} on {family}: {str(error)[:80]}…")
-                continue
+            mine = ours().reshape(sizes.layers, length, heads)
             peers: dict[str, Callable[[], torch.Tensor]] = {
                 "nnsight": lambda a=activation, h=heads: peer.grid(a, clean, corrupted, h),
                 "pyvene": pyvene_grid(
@@ -385,7 +381,7 @@ ATTRIBUTED = ("resid_pre", "attn_out", "mlp_out", "k", "v")
 
 def attribution_rows(family: str, model: torch.nn.Module, length: int, sizes: Sizes) -> list[Row]:
     """safelens' `attribution_patch` of `ATTRIBUTED`, without and with the QK fix, against
-    nnsight's hand-written attribution of the same sites (skipped where safelens refuses)."""
+    nnsight's hand-written attribution of the same sites."""
     import safelens
 
     generator = torch.Generator().manual_seed(length)
@@ -402,11 +398,7 @@ def attribution_rows(family: str, model: torch.nn.Module, length: int, sizes: Si
             model, corrupted, clean_cache, metric, activations=ATTRIBUTED, qk_fix=qk_fix
         )
 
-    try:
-        unfixed = ours(False)
-    except PatchingError as error:
-        print(f"skipped attribution on {family}: {str(error)[:80]}…")
-        return []
+    unfixed = ours(False)
     theirs = peer.attribution(ATTRIBUTED, clean, corrupted)
     diff = max(
         float((unfixed.estimates[a].reshape(theirs[a].shape) - theirs[a]).abs().max())

@@ -361,6 +361,8 @@ def test_hf_interface():
     if hasattr(cache, "get_recurrent_states_to_keep"):  # transformers >= 5.24
         assert cache.get_recurrent_states_to_keep() == theirs.get_recurrent_states_to_keep() == 0
     assert cache.layers[0].keys.shape == theirs.layers[0].keys.shape == (2, 2, 5, 8)
+    for (keys, values, window), (k, v, w) in zip(cache, theirs, strict=True):
+        assert torch.equal(keys, k) and torch.equal(values, v) and window is w is None
     with cache.frozen():
         assert not cache.is_croppable  # crop(-k) would be refused: generate must not rely on it
     cache.reset()

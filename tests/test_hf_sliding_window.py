@@ -44,6 +44,10 @@ def assert_same_layers(ours: HFKeyValueCache, theirs: DynamicCache) -> None:
         assert mine.get_seq_length() == hf.get_seq_length()
         for query in (1, 3):
             assert mine.get_mask_sizes(query) == hf.get_mask_sizes(query)
+    # Iterating gives `(keys, values, window)` per layer, as iterating a DynamicCache does.
+    for (keys, values, window), (k, v, w) in zip(ours, theirs, strict=True):
+        assert torch.equal(keys, k) and torch.equal(values, v)
+        assert (window is None and w is None) or (window.dtype == w.dtype and window == w)
 
 
 def filled(name: str, tokens: torch.Tensor) -> tuple[HFKeyValueCache, DynamicCache]:

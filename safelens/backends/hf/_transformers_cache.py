@@ -17,6 +17,7 @@ A frozen cache refuses every one that would change it with a
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -172,3 +173,18 @@ class TransformersCache(Cache):
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         """-1: no maximum length (transformers < 5 asks under this name)."""
         return -1
+
+    def __iter__(self) -> Iterator[tuple[Any, Any, torch.Tensor | None]]:
+        """Per layer `(keys, values, window)`, as iterating a `DynamicCache` gives them.
+
+        Keys and values head-major (`None` in a layer that holds nothing yet); `window` the
+        layer's `sliding_window` as a long tensor, `None` for a layer that keeps every
+        position. Reading only: the tensors are the layer's own, so edit a `fork()`.
+        """
+        for layer in self.layers:
+            window = layer.sliding_window
+            yield (
+                layer.keys,
+                layer.values,
+                None if window is None else torch.tensor(window, dtype=torch.long),
+            )
