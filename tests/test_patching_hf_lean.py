@@ -75,7 +75,8 @@ def acted(monkeypatch):
     def spying(kind, replacement):
         return _counting(counts, kind, replacement)
 
-    shared = _hf_lean._shared_rows
+    shared, live = _hf_lean._shared_rows, _hf_lean._live_positions
+    monkeypatch.setattr(_hf_lean, "_live_positions", lambda *args: spying("live", live(*args)))
     monkeypatch.setattr(_hf_lean, "_chunked", spying("chunked", _hf_lean._chunked))
     monkeypatch.setattr(_hf_lean, "_last_position", spying("last", _hf_lean._last_position))
     monkeypatch.setattr(_hf_lean, "_shared_rows", lambda *args: spying("shared", shared(*args)))
@@ -126,6 +127,10 @@ def test_each_replacement_acts_and_the_sweeps_equal_a_loop_of_hooked_forwards(
         else:
             assert acted["shared", "lean"] > 0, sweep_name
             assert acted["shared", "mapped"] < acted["shared", "rows"], sweep_name
+        # Each MLP maps the positions from each run's patch on, and some passes start
+        # before a run's patch: fewer positions than it is handed.
+        assert acted["live", "lean"] > 0, sweep_name
+        assert acted["live", "mapped"] < acted["live", "rows"], sweep_name
         assert_equals_references(monkeypatch, sweep, activation, got, lm, (clean, corrupted, mask))
     assert_left_as_found(lm)
 
@@ -143,7 +148,7 @@ def test_a_mixture_of_experts_is_not_chunked_and_its_sweep_equals_hooked_forward
     got = safelens.get_act_patch_attn_head_v_by_pos(
         lm, corrupted, clean_cache, last_only(1), progress=False
     )
-    assert not any(kind == "chunked" for kind, _ in acted)
+    assert not any(kind in ("chunked", "live") for kind, _ in acted)
     assert acted["shared", "lean"] > 0 and acted["last", "lean"] > 0
     indices = [(layer, pos, 0) for layer in range(LAYERS) for pos in (2, 3, 8)]
     with monkeypatch.context() as patched:
@@ -330,8 +335,8 @@ def lean_calls(monkeypatch):
     calls: Counter = Counter()
     replacements = _hf_lean.Lean.replacements
 
-    def spy(self, entries, trim):
-        chosen = replacements(self, entries, trim)
+    def spy(self, entries, trim, *rest):
+        chosen = replacements(self, entries, trim, *rest)
         if len(entries) == 1:  # the shortcuts' checks (`_hf_shortcuts`): nothing shared
             return chosen
         keys = {m: (m, entries[0], len(entries), None) for m in chosen}
@@ -448,8 +453,9 @@ def test_the_first_layers_maps_and_mlp_share_rows_and_the_last_output_projection
                 for module in roles(first)[role]:
                     key = (module, first, runs, before)
                     rows, mapped = lean_calls[key, "rows"], lean_calls[key, "mapped"]
-                    if shared is None:  # every position it is handed, mapped
-                        assert mapped == rows, (activation, role)
+                    if shared is None:  # every position it is handed, mapped; by an
+                        # MLP, those from each run's patch on (`_live_positions`)
+                        assert mapped <= rows if role == 2 else mapped == rows, (activation, role)
                         continue
                     assert rows, (activation, role)
                     # The rows of runs that entered before are mapped as they are; of

@@ -405,8 +405,8 @@ def test_an_mlp_out_sweep_trims_the_last_mlp_only_in_passes_below_the_last_layer
     taken_of = _hf_shortcuts.Shortcuts.taken
 
     @contextmanager
-    def spy(self, first, start, runs, last_patched=True):
-        with taken_of(self, first, start, runs, last_patched):
+    def spy(self, first, start, runs, last_patched=True, positions=None):
+        with taken_of(self, first, start, runs, last_patched, positions):
             # The trim is a pre-hook on the last MLP, registered for the pass.
             trimmed.append((first, last_patched, bool(last_mlp._forward_pre_hooks)))
             yield

@@ -1,6 +1,6 @@
 """Less work inside a sweep's patched pass on a HuggingFace model, for the same numbers.
 
-Four module replacements, on the sweep's thread only
+Five module replacements, on the sweep's thread only
 ([`overriding`][safelens.backends._override.overriding]), that a pass on a plain
 HuggingFace model (or a bridge's plain model, `safelens.backends.bridge._plain`) takes
 when no hook of the user's is attached anywhere:
@@ -29,6 +29,14 @@ when no hook of the user's is attached anywhere:
   and hand zeros elsewhere. The keys and values of every position are mapped as usual,
   so the last position attends as in a full pass; what the other positions compute is
   never read (their MLP input is trimmed already, `safelens.patching._hf_shortcuts`).
+- *Changed positions* (`_live_positions`): a sweep's own patch at position `p` changes
+  nothing before `p`, so in a pass that starts before `p` (runs patched at nearby
+  positions share one, `safelens.patching._grouping`) a run's rows hold the corrupted
+  run's values at the positions between. Each decoder layer's MLP (when built of maps
+  of one position each, `_position_wise`) maps only the positions from each run's patch
+  on, gathered from every row of the pass, and hands the corrupted run's own output at
+  that layer (recorded as it ran) everywhere before. Not for a generic sweep, whose
+  setter may write any position.
 - *Chunked MLP* (`_chunked`), on a CPU: each decoder layer's MLP maps its input a few
   rows at a time (`_CHUNK_TOKENS` positions), so its wide intermediate activations stay
   in the processor's cache instead of fresh memory. Only an MLP built of linear maps and
@@ -39,13 +47,15 @@ when no hook of the user's is attached anywhere:
   (transformers' `NewGELUActivation`, also GPT-J's, GPT-Neo's, CodeGen's and Phi's) runs
   as PyTorch's one fused kernel, the same formula to float rounding.
 
-All four are taken only as part of the sweep's shortcuts, which are checked once per
+All five are taken only as part of the sweep's shortcuts, which are checked once per
 sweep on the model itself (the unpatched corrupted tokens must give the corrupted run's
-logits); a family where one does not hold runs without them. On a bridge's own
-components (hook points inside its modules) none is taken. Shared rows and chunks on
-one MLP nest (`_nested`): the chunks are of the rows shared rows maps. A projection that
-maps the last position alone is not shared (it maps what it is handed as positions of
-one row, not positions gathered from several runs).
+logits, each run of the check taken as patched part-way, so that only its later
+positions go through the MLPs); a family where one does not hold runs without them. On
+a bridge's own components (hook points inside its modules) none is taken. Shared rows
+and chunks on one MLP nest (`_nested`): the chunks are of the rows shared rows maps;
+changed positions are gathered before the chunks, and not where that layer's MLP
+shares rows. A projection that maps the last position alone is not shared (it maps
+what it is handed as positions of one row, not positions gathered from several runs).
 """
 
 from __future__ import annotations
@@ -70,6 +80,8 @@ __all__ = ["Lean"]
 # Positions per chunk of an MLP's input on a CPU: a chunk's intermediate activations
 # (`_CHUNK_TOKENS * intermediate_size` values) then fit a core's cache on common models.
 _CHUNK_TOKENS = 256
+# Rows a gathered matrix product is padded to a multiple of (`_live_positions`).
+_BLOCK = 8
 # Activations that compute GELU's tanh approximation in several tensor operations.
 _TANH_GELUS = (NewGELUActivation,)
 # Linear maps: GPT-2's `Conv1D` is one too (`x @ weight + bias`).
@@ -154,6 +166,42 @@ def _last_position(own: Any, *args: Any, **kwargs: Any) -> Any:
     return out
 
 
+def _live_positions(starts: list[int], corrupted: torch.Tensor) -> Replacement:
+    """A map of each position that maps only the positions each run's patch can change.
+
+    `corrupted` is the module's output in the corrupted run, `[batch, positions,
+    features]`, over the positions the pass runs; `starts[r]` the first of them run `r`'s
+    patch can change (its rows, `batch` each, in run order). Before it the run's rows
+    hold the corrupted run's input, so they take `corrupted` there; the positions from
+    it on are gathered from every row and mapped as one batch.
+    """
+
+    def forward(own: Any, *args: Any, **kwargs: Any) -> Any:
+        x = _only_tensor(args, kwargs)
+        batch, positions = corrupted.shape[:2]
+        if x is None or x.dim() != 3 or x.shape[:2] != (batch * len(starts), positions):
+            return own(*args, **kwargs)  # the last position alone (trimmed), or not ours
+        first = torch.tensor(starts, device=x.device).repeat_interleave(batch)
+        live = torch.arange(positions, device=x.device) >= first[:, None]
+        gathered = x[live]
+        count = gathered.shape[0]
+        if count + -count % _BLOCK >= live.numel():
+            return own(x)  # too few positions unchanged to pay for gathering
+        # A matrix product's rows can round otherwise with the number of rows beside them
+        # (a CPU's BLAS kernels take rows in blocks of 4 or 8, and a lone row otherwise):
+        # padded to whole blocks, a run's numbers do not move with how the sweep's runs
+        # are cut into passes (`max_batch`, `max_bytes`).
+        padded = torch.cat([gathered, gathered[-1:].expand(-count % _BLOCK, -1)])
+        mapped = own(padded.unsqueeze(1))
+        if not isinstance(mapped, torch.Tensor) or mapped.shape[:2] != (padded.shape[0], 1):
+            return own(x)  # not a tensor per position
+        out = corrupted.to(mapped.dtype).repeat(len(starts), 1, 1)
+        out[live] = mapped[:count, 0]
+        return out
+
+    return forward
+
+
 def _nested(replacements: list[Replacement]) -> Replacement:
     """One replacement of several on one module: each calls the one before as its forward."""
     if len(replacements) == 1:
@@ -191,8 +239,15 @@ _AFTER_HEADS = frozenset({"attn_out", "resid_mid", "mlp_out", "resid_post"})
 class Lean:
     """Which of the replacements (module notes) a model's passes can take."""
 
-    def __init__(self, layers: Iterable[torch.nn.Module], activation: str | None = None) -> None:
+    def __init__(
+        self,
+        layers: Iterable[torch.nn.Module],
+        activation: str | None = None,
+        outputs: list[torch.Tensor | None] | None = None,
+    ) -> None:
         self.layers = list(layers)
+        # Each layer's MLP output in the corrupted run (`_live_positions`), where known.
+        self.outputs = outputs or [None] * len(self.layers)
         # Where the runs entering a layer can hold equal rows: a patch of `activation`
         # leaves the output projection's and the MLP's inputs equal, or different at its
         # own position alone, only when it sits after the head outputs (`_AFTER_HEADS`);
@@ -228,10 +283,20 @@ class Lean:
             if isinstance(module, _LINEAR) and id(module) not in elsewhere
         ]
 
-    def replacements(self, entries: list[int], trim: bool) -> dict[torch.nn.Module, Replacement]:
+    def replacements(
+        self,
+        entries: list[int],
+        trim: bool,
+        start: int = 0,
+        positions: list[int | None] | None = None,
+    ) -> dict[torch.nn.Module, Replacement]:
         """The replacements of a pass whose runs enter at the layers `entries` (in order).
 
-        `trim`: the last layer's projections map the last position alone.
+        `trim`: the last layer's projections map the last position alone. `positions`:
+        the position of each run's patch (`None`: every position), for a pass of the
+        positions from `start` whose runs change nothing before their patch's position
+        (a sweep's own patches): each MLP then maps the positions a run's patch can
+        change alone (`_live_positions`).
         """
         chosen: dict[torch.nn.Module, list[Replacement]] = {
             mlp: [_chunked] for mlp in self.mlps[entries[0] :]
@@ -254,4 +319,13 @@ class Lean:
             for module in [*maps, *([] if mlp is None else [mlp])]:
                 if module not in last:
                     chosen.setdefault(module, []).append(shared)
+        for layer, mlp in enumerate(self.row_wise):
+            corrupted = self.outputs[layer]
+            if layer < entries[0] or mlp is None or corrupted is None or positions is None:
+                continue
+            present = [i for i, entry in enumerate(entries) if entry <= layer]
+            at = [positions[i] for i in present]
+            starts = [0 if pos is None else max(0, pos - start) for pos in at]
+            if any(starts) and all(replacement is _chunked for replacement in chosen.get(mlp, [])):
+                chosen.setdefault(mlp, []).append(_live_positions(starts, corrupted[:, start:]))
         return {module: _nested(replacements) for module, replacements in chosen.items()}

@@ -118,12 +118,15 @@ class Pass:
         start: int,
         runs: int,
         entries: list[int] | None = None,
+        positions: list[int | None] | None = None,
     ) -> torch.Tensor:
         """Logits of `runs` patched runs (`chunk`; none: unpatched) from layer `first`, position `start`.
 
         Positions `start:`, `batch` rows per run; the last position alone when the metric
         reads only that. Each run enters at its layer in `entries` (by default, its
-        patch's layer in a staggered pass, else `first`).
+        patch's layer in a staggered pass, else `first`). `positions`: where each run's
+        rows may differ from the corrupted run's from (by default, its patch's position
+        for the sweep's own patches; every position for a generic sweep's).
         """
         backend, site, tokens = self.backend, self.site, self.tokens
         batch = tokens.shape[0]
@@ -173,7 +176,9 @@ class Pass:
         inputs = {layer: edit for layer, edit in edits.items() if hooks[layer] is None}
         fwd_hooks = [(name, _as_hook(edit)) for name, edit in hooked]
         last_patched = any(run.layer == backend.n_layers - 1 for run in chunk)
-        taken = shortcuts.taken(first, start, entries, last_patched)
+        if positions is None and chunk and self.editor is None:
+            positions = [run.pos for run in chunk]
+        taken = shortcuts.taken(first, start, entries, last_patched, positions)
         with taken, site_edits(backend, {site.activation: inputs}):
             with backend.pass_hooks(prefix, fwd_hooks):  # type: ignore[arg-type]
                 # `forward`, not `forward_continuations`: reading the prefix once per layer

@@ -85,19 +85,21 @@ def _last_position_input(me: int) -> Callable[..., Any]:
 
 
 @contextmanager
-def captured(backend: Backend) -> Iterator[tuple[list[Any], list[Any]]]:
+def captured(backend: Backend) -> Iterator[tuple[list[Any], list[Any], list[Any]]]:
     """Within the block, this thread's pass records each decoder layer's input and output form.
 
-    Yields `(inputs, forms)`, filled by the pass: `inputs[l]` the hidden states entering
-    layer `l`, `forms[l]` how layer `l` returned its own
-    ([`output_form`][safelens.backends.hf._skip.output_form]).
+    Yields `(inputs, forms, mlps)`, filled by the pass: `inputs[l]` the hidden states
+    entering layer `l`, `forms[l]` how layer `l` returned its own
+    ([`output_form`][safelens.backends.hf._skip.output_form]), `mlps[l]` the output of
+    its `mlp` where that is one tensor (for `Lean`).
     """
     _, layers = decoder_layers(backend.model, backend.n_layers)
     me = threading.get_ident()
     inputs: list[Any] = [None] * len(layers)
     forms: list[Any] = [None] * len(layers)
+    mlps: list[Any] = [None] * len(layers)
 
-    def record(index: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    def record(index: int) -> tuple[Callable[..., Any], ...]:
         def before(module: Any, args: tuple[Any, ...], kwargs: Any = None) -> None:
             # No `kwargs`: half-registered, in another thread's pass (`core._thread_hooks`).
             if threading.get_ident() == me and kwargs is not None:
@@ -110,17 +112,25 @@ def captured(backend: Backend) -> Iterator[tuple[list[Any], list[Any]]]:
             if threading.get_ident() == me and len(rest) == 2:
                 forms[index] = output_form(rest[1])
 
-        return before, after
+        def mlp(module: Any, args: Any, *rest: Any) -> None:
+            if threading.get_ident() == me and len(rest) == 2:
+                output = rest[1]
+                mlps[index] = output.detach().clone() if isinstance(output, torch.Tensor) else None
+
+        return before, after, mlp
 
     handles = []
     try:
         for index, layer in enumerate(layers):
-            before, after = record(index)
+            before, after, mlp = record(index)
             # First among the pre-hooks: the input before any of the user's edits it, as
             # `skipping` hands it on before them.
             handles.append(layer.register_forward_pre_hook(before, with_kwargs=True, prepend=True))
             handles.append(layer.register_forward_hook(after, with_kwargs=True))
-        yield inputs, forms
+            module = getattr(layer, "mlp", None)
+            if isinstance(module, torch.nn.Module):
+                handles.append(module.register_forward_hook(mlp, with_kwargs=True))
+        yield inputs, forms, mlps
     finally:
         for handle in handles:
             handle.remove()
@@ -169,14 +179,20 @@ class Shortcuts:
 
     @contextmanager
     def taken(
-        self, first: int, start: int, entries: list[int], last_patched: bool = True
+        self,
+        first: int,
+        start: int,
+        entries: list[int],
+        last_patched: bool = True,
+        positions: list[int | None] | None = None,
     ) -> Iterator[None]:
         """Within the block, this thread's pass from position `start` runs `entries`' runs.
 
         A run enters at its layer in `entries` (non-decreasing, the first is `first`):
         the layers before `first` are skipped, and a later run joins the batch at its
         layer with the corrupted run's residual stream (`joining`). `last_patched`:
-        whether the pass patches anything in the last layer.
+        whether the pass patches anything in the last layer. `positions`: each run's
+        patch position, where nothing before it changes (`Lean.replacements`).
         """
         me = threading.get_ident()
         runs = len(entries)
@@ -207,7 +223,7 @@ class Shortcuts:
                     )
                     stack.callback(handle.remove)
             if self.lean is not None:
-                chosen = self.lean.replacements(entries, self.trim)
+                chosen = self.lean.replacements(entries, self.trim, start, positions)
                 stack.enter_context(overriding(chosen))
             yield
 
@@ -221,11 +237,13 @@ class Shortcuts:
         forms: list[Any],
         check: Check,
         partial: bool = True,
+        mlps: list[Any] | None = None,
     ) -> Shortcuts:
         """The shortcuts `check(shortcuts, entries, start)` finds exact on this model (module notes).
 
         `partial=False` (a user's hook attached): passes run every position, so no
-        trims, and the checks start at position 0.
+        trims, and the checks start at position 0. `mlps`: each layer's MLP output in
+        the corrupted run (`captured`), for the pass replacements.
         """
         residuals = list(inputs)
         n_layers = backend.n_layers
@@ -248,7 +266,7 @@ class Shortcuts:
             trim_mlp = mlp_norm(layers[-1], n_layers - 1, backend.config) is not mlp  # type: ignore[attr-defined]
         # A plain HuggingFace model's own modules (not a bridge's, with hook points inside).
         plain = partial and backend.family == "hf"
-        lean = Lean(layers, activation) if plain else None
+        lean = Lean(layers, activation, mlps) if plain else None
         stagger = skips and partial
         # A site after the keys and values leaves most of the layer a run enters equal
         # across runs, which the pass replacements share when each pass starts there;

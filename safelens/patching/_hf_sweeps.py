@@ -205,7 +205,13 @@ def run_sweep(
         pass_ = Pass(backend, site, tokens, mask, corrupted.cache, clean, editor)
 
         def check(shortcuts: Shortcuts, entries: list[int], start: int) -> bool:
-            logits = pass_.logits(shortcuts, [], entries[0], start, len(entries), entries)
+            # Each unpatched run as if patched part-way: the MLPs map its later positions
+            # alone (`_hf_lean`), which must give the corrupted run's logits too.
+            new = length - start
+            at: list[int | None] = [
+                start + (i + 1) * new // (len(entries) + 1) for i in range(len(entries))
+            ]
+            logits = pass_.logits(shortcuts, [], entries[0], start, len(entries), entries, at)
             expected = corrupted_logits[:, -1:] if shortcuts.last_only else corrupted_logits
             expected = expected[:, -logits.shape[1] :].repeat(len(entries), 1, 1)
             return logits.shape == expected.shape and _close(
@@ -220,6 +226,7 @@ def run_sweep(
             corrupted.forms,
             check,
             partial,
+            corrupted.mlps,
         )
         idle = idle_runs(reference.site, clean, reference.seen, runs)
         skipped = {run.slot for run in idle}
@@ -261,6 +268,7 @@ class _Corrupted:
     seen: dict[int, torch.Tensor]
     inputs: Any
     forms: Any
+    mlps: Any
 
 
 def _corrupted_run(
@@ -268,10 +276,10 @@ def _corrupted_run(
 ) -> _Corrupted:
     cache = backend.empty_cache(tokens.shape[0])
     seen: dict[int, torch.Tensor] = {}
-    with captured(backend) as (inputs, forms), seeing(backend, site, cache, seen, generic):
+    with captured(backend) as (inputs, forms, mlps), seeing(backend, site, cache, seen, generic):
         logits = backend.forward(tokens, mask, cache)
     cache.freeze()
-    return _Corrupted(backend, site, cache, logits, seen, inputs, forms)
+    return _Corrupted(backend, site, cache, logits, seen, inputs, forms, mlps)
 
 
 def _on_plain_model(run: _Corrupted, tokens: torch.Tensor, mask: torch.Tensor) -> _Corrupted:
