@@ -29,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from devices import DEVICE, check_device  # noqa: E402
 
+from safelens.patching import _hf_checked  # noqa: E402
+
 HOOKED_TRANSFORMER_REMOVED = "HookedTransformer was removed in TransformerLens 4"
 HAS_HOOKED_TRANSFORMER = int(version("transformer-lens").split(".")[0]) < 4
 
@@ -113,3 +115,11 @@ def pytest_report_header() -> str:
 def _no_grad():
     with torch.no_grad():
         yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_shortcut_checks():
+    """Each test's sweeps check their shortcuts anew: tests share cached models, and some
+    change what a check sees (a monkeypatched `joining`) on a model checked before."""
+    _hf_checked.forget()
+    yield

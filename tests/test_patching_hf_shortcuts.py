@@ -30,7 +30,7 @@ from safelens.backends import _override
 from safelens.backends._families import backend_of
 from safelens.backends.hf import _skip
 from safelens.backends.hf._sites import decoder_layers
-from safelens.patching import _hf_shortcuts, _hf_sweeps
+from safelens.patching import _hf_passes, _hf_shortcuts, _hf_sweeps
 
 LAYERS, LENGTH = 4, 10
 
@@ -490,4 +490,61 @@ def test_staggered_passes_on_more_families_equal_the_sweep_without_shortcuts(
         exact = without_shortcuts(monkeypatch, sweep, lm, corrupted, clean_cache, last_only(2))
         assert (got - exact).abs().max() <= TOL, (name, sweep.__name__)
         assert (got - got.flatten()[0]).abs().max() > 1e-6
+    assert_left_as_found(lm)
+
+
+@pytest.fixture
+def checks(monkeypatch):
+    """How many unpatched passes (the shortcuts' checks) each sweep ran, in order."""
+    counts: list[int] = []
+    logits = _hf_passes.Pass.logits
+
+    def spy(self, shortcuts, chunk, *args):
+        if not chunk:
+            counts[-1] += 1
+        return logits(self, shortcuts, chunk, *args)
+
+    monkeypatch.setattr(_hf_passes.Pass, "logits", spy)
+    return counts
+
+
+def test_a_model_checked_once_is_not_checked_again_until_it_changes(taken, checks, monkeypatch):
+    """The checks' verdicts are kept per model (`_hf_checked`), and dropped by a change.
+
+    A second sweep on the same model and prompt shape runs no check and gives the same
+    grid; one on another prompt length checks again, and so does one after a layer is
+    given a forward of its own (as a wrapper such as nnsight's gives it), whose grid
+    equals the sweep's without shortcuts.
+    """
+    lm = model("llama", layers=LAYERS)
+    clean, corrupted = pair(1)
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    sweep = safelens.get_act_patch_resid_pre
+    grids = []
+    for _ in range(2):
+        checks.append(0)
+        grids.append(sweep(lm, corrupted, clean_cache, last_only(1), progress=False))
+    assert checks[0] > 0 and checks[1] == 0 and taken[0].skips and taken[1].skips
+    assert torch.equal(grids[0], grids[1])
+    checks.append(0)
+    _, shorter = run_with_patching_cache(lm, clean[:, :-1])
+    sweep(lm, corrupted[:, :-1], shorter, last_only(1), progress=False)
+    assert checks[-1] > 0
+    layer = lm.model.layers[2]
+    own = type(layer).forward
+
+    def scaled(hidden, *args, **kwargs):
+        return own(layer, 1.5 * hidden, *args, **kwargs)
+
+    layer.forward = scaled
+    try:
+        checks.append(0)
+        got = sweep(lm, corrupted, clean_cache, last_only(1), progress=False)
+        assert checks[-1] > 0
+        checks.append(0)
+        exact = without_shortcuts(monkeypatch, sweep, lm, corrupted, clean_cache, last_only(1))
+    finally:
+        del layer.forward
+    assert (got - grids[0]).abs().max() > 1e-3  # the new forward matters
+    assert (got - exact).abs().max() <= TOL
     assert_left_as_found(lm)

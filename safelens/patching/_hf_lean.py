@@ -47,11 +47,11 @@ when no hook of the user's is attached anywhere:
   (transformers' `NewGELUActivation`, also GPT-J's, GPT-Neo's, CodeGen's and Phi's) runs
   as PyTorch's one fused kernel, the same formula to float rounding.
 
-All five are taken only as part of the sweep's shortcuts, which are checked once per
-sweep on the model itself (the unpatched corrupted tokens must give the corrupted run's
-logits, each run of the check taken as patched part-way, so that only its later
-positions go through the MLPs); a family where one does not hold runs without them. On
-a bridge's own components (hook points inside its modules) none is taken. Shared rows
+All five are taken only as part of the sweep's shortcuts, which are checked on the
+model itself, once per model and prompt shape (`safelens.patching._hf_checked`): the
+unpatched corrupted tokens must give the corrupted run's logits, each run of the check
+taken as patched part-way, so that only its later positions go through the MLPs. A
+family where one does not hold runs without them. On a bridge's own components (hook points inside its modules) none is taken. Shared rows
 and chunks on one MLP nest (`_nested`): the chunks are of the rows shared rows maps;
 changed positions are gathered before the chunks, and not where that layer's MLP
 shares rows. A projection that maps the last position alone is not shared (it maps

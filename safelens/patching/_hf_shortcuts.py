@@ -15,9 +15,10 @@ only:
   then added to every position of the residual stream, and only the last is read); the
   pass replacements of `safelens.patching._hf_lean` map the last query alone.
 
-All are checked once per sweep, on the model itself: the unpatched corrupted tokens run
-with the shortcuts from the last layer (from the first and from the middle position)
-and from every other layer (the last position alone), or, staggered, from the last
+All are checked on the model itself, once per model and prompt shape (the verdicts are
+kept until the model changes, `safelens.patching._hf_checked`): the unpatched corrupted
+tokens run with the shortcuts from the last layer (from the first and from the middle
+position) and from every other layer (the last position alone), or, staggered, from the last
 layer over every position and with a run entering at each layer from layer 1 on (from
 the middle and from the last position), and must give the corrupted run's logits
 (within 1e-4 of the largest logit in float32, 3e-2 in half precision). A family

@@ -14,11 +14,11 @@ are stacked along the batch, `batch` rows per run, in layer order, and run only
 positions `p:` through the model, on forks of the corrupted cache cropped to `p` and
 broadcast to every row (`cropped(p).expand(rows)`), each run entering at its layer `l`
 with the corrupted run's residual stream (the earliest starts the pass, the others join
-it there), and, for a
-metric that reads only the last position, unembedding that position alone
-(`safelens.patching._hf_shortcuts`, which checks once per sweep that both shortcuts hold
-on the model). The logits of positions `< p` are the corrupted run's. While a hook of
-the user's is attached anywhere in the model, every pass runs every position (a hook
+it there), and, for a metric that reads only the last position, unembedding that
+position alone (`safelens.patching._hf_shortcuts`, which checks that both shortcuts
+hold on the model, once per model and prompt shape: `safelens.patching._hf_checked`).
+The logits of positions `< p` are the corrupted run's. While a hook of the user's is
+attached anywhere in the model, every pass runs every position (a hook
 may index positions); it still starts at the layer of its patch. Otherwise a bridge's
 patched passes run on its plain HuggingFace model where that gives the bridge's numbers
 (`_on_plain_model`).
@@ -51,6 +51,7 @@ from ..core._thread_hooks import hooked_anywhere
 from ._clean_cache import backend_sizes, check_clean_cache
 from ._engine import Planned, Run, score
 from ._grouping import with_positions_before
+from ._hf_checked import fingerprint, remembered, signature
 from ._hf_passes import Editor, Pass, passes
 from ._hf_shortcuts import Shortcuts, captured, tolerance
 from ._hf_sites import _tokens, clean_activation
@@ -204,7 +205,14 @@ def run_sweep(
         corrupted_logits = corrupted.logits
         pass_ = Pass(backend, site, tokens, mask, corrupted.cache, clean, editor)
 
+        model = backend.model
+        model_key = (fingerprint(model, tokens, mask), site.activation)
+
         def check(shortcuts: Shortcuts, entries: list[int], start: int) -> bool:
+            key = (model_key, signature(shortcuts), tuple(entries), start)
+            return remembered(model, key, lambda: checked(shortcuts, entries, start))
+
+        def checked(shortcuts: Shortcuts, entries: list[int], start: int) -> bool:
             # Each unpatched run as if patched part-way: the MLPs map its later positions
             # alone (`_hf_lean`), which must give the corrupted run's logits too.
             new = length - start

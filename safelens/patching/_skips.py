@@ -4,7 +4,7 @@
 whether a hook of the user's is attached; both pass runners take what it allows where
 the model can run it: a `HookedTransformer` by its config (`safelens.patching._plan`,
 `safelens.patching._grid`), a HuggingFace model or a TransformerBridge by checking each
-shortcut on the model once per sweep and dropping one that does not hold
+shortcut on the model (once per model and prompt shape) and dropping one that does not hold
 (`safelens.patching._hf_shortcuts`, `safelens.patching._hf_passes`). A patched run
 needs only what its metric reads and what its patch can change:
 
