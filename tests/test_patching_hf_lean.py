@@ -326,6 +326,23 @@ def test_a_projection_shared_with_another_layer_is_not_trimmed(acted):
     assert (got[tuple(torch.tensor(indices).T)] - expected).abs().max() <= TOL
 
 
+def test_only_an_mlp_of_one_layer_has_its_corrupted_output_kept():
+    """`recorded`: each layer's own MLP, with its layer; one MLP object in several layers
+    would give one output per layer, so it is left out (its passes map every position)."""
+    lm = model("llama", layers=LAYERS)
+    layers = list(decoder_layers(lm, LAYERS)[1])
+    assert _hf_lean.recorded(layers) == {layer.mlp: i for i, layer in enumerate(layers)}
+    torch.manual_seed(0)
+    shared = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            **SIZES, num_hidden_layers=LAYERS, **SPECIAL, num_key_value_heads=2
+        )
+    ).eval()
+    for layer in shared.model.layers[:-1]:
+        layer.mlp = shared.model.layers[-1].mlp
+    assert _hf_lean.recorded(list(shared.model.layers)) == {}
+
+
 @pytest.fixture
 def lean_calls(monkeypatch):
     """What each module's replacement did in passes of several runs: `_counting`'s counts,

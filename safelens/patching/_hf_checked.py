@@ -84,11 +84,7 @@ def forget() -> None:
 def signature(shortcuts: Any) -> Hashable:
     """The shortcuts a check takes, as a key (`Shortcuts`' fields, the pass replacements')."""
     lean = shortcuts.lean
-    replacements = (
-        None
-        if lean is None
-        else (lean.after_heads, lean.shares, any(output is not None for output in lean.outputs))
-    )
+    replacements = None if lean is None else (lean.after_heads, lean.shares, bool(lean.outputs))
     return (
         shortcuts.skips,
         shortcuts.last_only,

@@ -232,6 +232,29 @@ def _chunked(own: Any, *args: Any, **kwargs: Any) -> Any:
     return torch.cat(pieces)
 
 
+def recorded(layers: list[torch.nn.Module]) -> dict[torch.nn.Module, int]:
+    """The modules whose output in the corrupted run `Lean` uses, each with its layer.
+
+    Each layer's MLP, where it sits in that layer alone (one shared by several layers
+    gives several outputs, and is left out).
+    """
+    owners: dict[torch.nn.Module, set[int]] = {}
+    for index, layer in enumerate(layers):
+        for module in layer.modules():
+            owners.setdefault(module, set()).add(index)
+    chosen: dict[torch.nn.Module, int] = {}
+    for index, layer in enumerate(layers):
+        mlp = getattr(layer, "mlp", None)
+        if isinstance(mlp, torch.nn.Module) and owners.get(mlp) == {index}:
+            chosen[mlp] = index
+    return chosen
+
+
+def _only(replacements: list[Replacement], kind: Replacement) -> bool:
+    """Whether `replacements` hold nothing but `kind`."""
+    return all(replacement is kind for replacement in replacements)
+
+
 # Activations patched after the attention's head outputs.
 _AFTER_HEADS = frozenset({"attn_out", "resid_mid", "mlp_out", "resid_post"})
 
@@ -243,11 +266,11 @@ class Lean:
         self,
         layers: Iterable[torch.nn.Module],
         activation: str | None = None,
-        outputs: list[torch.Tensor | None] | None = None,
+        outputs: dict[torch.nn.Module, torch.Tensor] | None = None,
     ) -> None:
         self.layers = list(layers)
-        # Each layer's MLP output in the corrupted run (`_live_positions`), where known.
-        self.outputs = outputs or [None] * len(self.layers)
+        # What `recorded` modules gave in the corrupted run (`_live_positions`).
+        self.outputs = outputs or {}
         # Where the runs entering a layer can hold equal rows: a patch of `activation`
         # leaves the output projection's and the MLP's inputs equal, or different at its
         # own position alone, only when it sits after the head outputs (`_AFTER_HEADS`);
@@ -319,13 +342,24 @@ class Lean:
             for module in [*maps, *([] if mlp is None else [mlp])]:
                 if module not in last:
                     chosen.setdefault(module, []).append(shared)
-        for layer, mlp in enumerate(self.row_wise):
-            corrupted = self.outputs[layer]
-            if layer < entries[0] or mlp is None or corrupted is None or positions is None:
-                continue
-            present = [i for i, entry in enumerate(entries) if entry <= layer]
-            at = [positions[i] for i in present]
-            starts = [0 if pos is None else max(0, pos - start) for pos in at]
-            if any(starts) and all(replacement is _chunked for replacement in chosen.get(mlp, [])):
-                chosen.setdefault(mlp, []).append(_live_positions(starts, corrupted[:, start:]))
+        if positions is not None:
+            self._live(chosen, entries, start, positions)
         return {module: _nested(replacements) for module, replacements in chosen.items()}
+
+    def _live(
+        self,
+        chosen: dict[torch.nn.Module, list[Replacement]],
+        entries: list[int],
+        start: int,
+        positions: list[int | None],
+    ) -> None:
+        """Add to `chosen` each MLP's `_live_positions` (module notes)."""
+        first = [0 if pos is None else max(0, pos - start) for pos in positions]
+        for layer in range(entries[0], len(self.layers)):
+            present = [i for i, entry in enumerate(entries) if entry <= layer]
+            starts = [first[i] for i in present]
+            mlp = self.row_wise[layer]
+            corrupted = None if mlp is None else self.outputs.get(mlp)
+            if mlp is not None and corrupted is not None and any(starts):
+                if _only(chosen.get(mlp, []), _chunked):
+                    chosen.setdefault(mlp, []).append(_live_positions(starts, corrupted[:, start:]))

@@ -55,7 +55,7 @@ from ..backends.hf._seams import mlp_norm
 from ..backends.hf._sites import decoder_layers
 from ..backends.hf._skip import joining, output_form, skipping
 from ..core._thread_hooks import LIBRARIES
-from ._hf_lean import Lean
+from ._hf_lean import Lean, recorded
 from ._skips import Skips
 
 __all__ = ["Check", "Shortcuts", "captured", "tolerance"]
@@ -86,21 +86,21 @@ def _last_position_input(me: int) -> Callable[..., Any]:
 
 
 @contextmanager
-def captured(backend: Backend) -> Iterator[tuple[list[Any], list[Any], list[Any]]]:
+def captured(backend: Backend) -> Iterator[tuple[list[Any], list[Any], dict[Any, Any]]]:
     """Within the block, this thread's pass records each decoder layer's input and output form.
 
-    Yields `(inputs, forms, mlps)`, filled by the pass: `inputs[l]` the hidden states
+    Yields `(inputs, forms, outputs)`, filled by the pass: `inputs[l]` the hidden states
     entering layer `l`, `forms[l]` how layer `l` returned its own
-    ([`output_form`][safelens.backends.hf._skip.output_form]), `mlps[l]` the output of
-    its `mlp` where that is one tensor (for `Lean`).
+    ([`output_form`][safelens.backends.hf._skip.output_form]), `outputs[module]` the
+    output of each module `Lean` reads (`recorded`) where that is one tensor.
     """
     _, layers = decoder_layers(backend.model, backend.n_layers)
     me = threading.get_ident()
     inputs: list[Any] = [None] * len(layers)
     forms: list[Any] = [None] * len(layers)
-    mlps: list[Any] = [None] * len(layers)
+    outputs: dict[Any, Any] = {}
 
-    def record(index: int) -> tuple[Callable[..., Any], ...]:
+    def record(index: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
         def before(module: Any, args: tuple[Any, ...], kwargs: Any = None) -> None:
             # No `kwargs`: half-registered, in another thread's pass (`core._thread_hooks`).
             if threading.get_ident() == me and kwargs is not None:
@@ -113,25 +113,23 @@ def captured(backend: Backend) -> Iterator[tuple[list[Any], list[Any], list[Any]
             if threading.get_ident() == me and len(rest) == 2:
                 forms[index] = output_form(rest[1])
 
-        def mlp(module: Any, args: Any, *rest: Any) -> None:
-            if threading.get_ident() == me and len(rest) == 2:
-                output = rest[1]
-                mlps[index] = output.detach().clone() if isinstance(output, torch.Tensor) else None
+        return before, after
 
-        return before, after, mlp
+    def keep(module: Any, args: Any, *rest: Any) -> None:
+        if threading.get_ident() == me and len(rest) == 2 and isinstance(rest[1], torch.Tensor):
+            outputs[module] = rest[1].detach().clone()
 
     handles = []
     try:
         for index, layer in enumerate(layers):
-            before, after, mlp = record(index)
+            before, after = record(index)
             # First among the pre-hooks: the input before any of the user's edits it, as
             # `skipping` hands it on before them.
             handles.append(layer.register_forward_pre_hook(before, with_kwargs=True, prepend=True))
             handles.append(layer.register_forward_hook(after, with_kwargs=True))
-            module = getattr(layer, "mlp", None)
-            if isinstance(module, torch.nn.Module):
-                handles.append(module.register_forward_hook(mlp, with_kwargs=True))
-        yield inputs, forms, mlps
+        for module in recorded(list(layers)):
+            handles.append(module.register_forward_hook(keep, with_kwargs=True))
+        yield inputs, forms, outputs
     finally:
         for handle in handles:
             handle.remove()
@@ -238,13 +236,13 @@ class Shortcuts:
         forms: list[Any],
         check: Check,
         partial: bool = True,
-        mlps: list[Any] | None = None,
+        outputs: dict[Any, Any] | None = None,
     ) -> Shortcuts:
         """The shortcuts `check(shortcuts, entries, start)` finds exact on this model (module notes).
 
         `partial=False` (a user's hook attached): passes run every position, so no
-        trims, and the checks start at position 0. `mlps`: each layer's MLP output in
-        the corrupted run (`captured`), for the pass replacements.
+        trims, and the checks start at position 0. `outputs`: what the modules the pass
+        replacements read gave in the corrupted run (`captured`).
         """
         residuals = list(inputs)
         n_layers = backend.n_layers
@@ -267,7 +265,7 @@ class Shortcuts:
             trim_mlp = mlp_norm(layers[-1], n_layers - 1, backend.config) is not mlp  # type: ignore[attr-defined]
         # A plain HuggingFace model's own modules (not a bridge's, with hook points inside).
         plain = partial and backend.family == "hf"
-        lean = Lean(layers, activation, mlps) if plain else None
+        lean = Lean(layers, activation, outputs) if plain else None
         stagger = skips and partial
         # A site after the keys and values leaves most of the layer a run enters equal
         # across runs, which the pass replacements share when each pass starts there;

@@ -234,7 +234,7 @@ def run_sweep(
             corrupted.forms,
             check,
             partial,
-            corrupted.mlps,
+            corrupted.outputs,
         )
         idle = idle_runs(reference.site, clean, reference.seen, runs)
         skipped = {run.slot for run in idle}
@@ -276,7 +276,7 @@ class _Corrupted:
     seen: dict[int, torch.Tensor]
     inputs: Any
     forms: Any
-    mlps: Any
+    outputs: Any
 
 
 def _corrupted_run(
@@ -284,10 +284,10 @@ def _corrupted_run(
 ) -> _Corrupted:
     cache = backend.empty_cache(tokens.shape[0])
     seen: dict[int, torch.Tensor] = {}
-    with captured(backend) as (inputs, forms, mlps), seeing(backend, site, cache, seen, generic):
+    with captured(backend) as (inputs, forms, outputs), seeing(backend, site, cache, seen, generic):
         logits = backend.forward(tokens, mask, cache)
     cache.freeze()
-    return _Corrupted(backend, site, cache, logits, seen, inputs, forms, mlps)
+    return _Corrupted(backend, site, cache, logits, seen, inputs, forms, outputs)
 
 
 def _on_plain_model(run: _Corrupted, tokens: torch.Tensor, mask: torch.Tensor) -> _Corrupted:
