@@ -76,7 +76,12 @@ def acted(monkeypatch):
         return _counting(counts, kind, replacement)
 
     shared, live = _hf_lean._shared_rows, _hf_lean._live_positions
-    monkeypatch.setattr(_hf_lean, "_live_positions", lambda *args: spying("live", live(*args)))
+
+    def live_spied(*args):
+        replacement = live(*args)  # `None` where gathering would not pay
+        return None if replacement is None else spying("live", replacement)
+
+    monkeypatch.setattr(_hf_lean, "_live_positions", live_spied)
     monkeypatch.setattr(_hf_lean, "_chunked", spying("chunked", _hf_lean._chunked))
     monkeypatch.setattr(_hf_lean, "_last_position", spying("last", _hf_lean._last_position))
     monkeypatch.setattr(_hf_lean, "_shared_rows", lambda *args: spying("shared", shared(*args)))
@@ -327,11 +332,11 @@ def test_a_projection_shared_with_another_layer_is_not_trimmed(acted):
 
 
 def test_only_an_mlp_of_one_layer_has_its_corrupted_output_kept():
-    """`recorded`: each layer's own MLP, with its layer; one MLP object in several layers
+    """`recorded`: each layer's own MLP; one MLP object in several layers
     would give one output per layer, so it is left out (its passes map every position)."""
     lm = model("llama", layers=LAYERS)
     layers = list(decoder_layers(lm, LAYERS)[1])
-    assert _hf_lean.recorded(layers) == {layer.mlp: i for i, layer in enumerate(layers)}
+    assert _hf_lean.recorded(layers) == [layer.mlp for layer in layers]
     torch.manual_seed(0)
     shared = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(
@@ -340,7 +345,7 @@ def test_only_an_mlp_of_one_layer_has_its_corrupted_output_kept():
     ).eval()
     for layer in shared.model.layers[:-1]:
         layer.mlp = shared.model.layers[-1].mlp
-    assert _hf_lean.recorded(list(shared.model.layers)) == {}
+    assert _hf_lean.recorded(list(shared.model.layers)) == []
 
 
 @pytest.fixture

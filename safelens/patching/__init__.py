@@ -35,7 +35,8 @@ frozen cache (`_grouping`), which patches write what the corrupted run holds
 and the metric (`_metric`). What runs one pass is the family's, as `Backend.forward` is:
 on a `HookedTransformer` `_grid` with its shortcuts in `_plan` (TransformerLens'
 `start_at_layer`, its own attention path); on a HuggingFace model or a bridge
-`_hf_passes` with `_hf_shortcuts` and `_hf_lean` (checked on the model once per model and prompt shape).
+`_hf_passes` with `_hf_shortcuts` and `_hf_lean` (checked on the model once per model
+and prompt shape, `_hf_checked`).
 `_runners` is the one place that reads a model's family: every sweep, the bundles,
 `generic_activation_patch` and `patch_dataset` ask it for the family's runner.
 """

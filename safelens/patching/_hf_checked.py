@@ -29,12 +29,11 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Hashable
-from typing import Any
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-__all__ = ["fingerprint", "forget", "remembered", "signature"]
+__all__ = ["fingerprint", "forget", "remembered"]
 
 _VERDICTS: weakref.WeakKeyDictionary[torch.nn.Module, dict[Hashable, bool]] = (
     weakref.WeakKeyDictionary()
@@ -79,19 +78,3 @@ def forget() -> None:
     """Drop every kept verdict: the next sweep on any model checks again."""
     with _LOCK:
         _VERDICTS.clear()
-
-
-def signature(shortcuts: Any) -> Hashable:
-    """The shortcuts a check takes, as a key (`Shortcuts`' fields, the pass replacements')."""
-    lean = shortcuts.lean
-    replacements = None if lean is None else (lean.after_heads, lean.shares, bool(lean.outputs))
-    return (
-        shortcuts.skips,
-        shortcuts.last_only,
-        shortcuts.trim,
-        shortcuts.trim_mlp,
-        shortcuts.trim_mlp_early,
-        shortcuts.partial,
-        shortcuts.stagger,
-        replacements,
-    )

@@ -51,11 +51,12 @@ All five are taken only as part of the sweep's shortcuts, which are checked on t
 model itself, once per model and prompt shape (`safelens.patching._hf_checked`): the
 unpatched corrupted tokens must give the corrupted run's logits, each run of the check
 taken as patched part-way, so that only its later positions go through the MLPs. A
-family where one does not hold runs without them. On a bridge's own components (hook points inside its modules) none is taken. Shared rows
-and chunks on one MLP nest (`_nested`): the chunks are of the rows shared rows maps;
-changed positions are gathered before the chunks, and not where that layer's MLP
-shares rows. A projection that maps the last position alone is not shared (it maps
-what it is handed as positions of one row, not positions gathered from several runs).
+family where one does not hold runs without them. On a bridge's own components (hook
+points inside its modules) none is taken. Shared rows and chunks on one MLP nest
+(`_nested`): the chunks are of the rows shared rows maps; changed positions are
+gathered before the chunks, and not where that layer's MLP shares rows. A projection
+that maps the last position alone is not shared (it maps what it is handed as
+positions of one row, not positions gathered from several runs).
 """
 
 from __future__ import annotations
@@ -166,34 +167,35 @@ def _last_position(own: Any, *args: Any, **kwargs: Any) -> Any:
     return out
 
 
-def _live_positions(starts: list[int], corrupted: torch.Tensor) -> Replacement:
+def _live_positions(starts: list[int], corrupted: torch.Tensor) -> Replacement | None:
     """A map of each position that maps only the positions each run's patch can change.
 
     `corrupted` is the module's output in the corrupted run, `[batch, positions,
     features]`, over the positions the pass runs; `starts[r]` the first of them run `r`'s
     patch can change (its rows, `batch` each, in run order). Before it the run's rows
     hold the corrupted run's input, so they take `corrupted` there; the positions from
-    it on are gathered from every row and mapped as one batch.
+    it on are gathered from every row and mapped as one batch. `None` where too few
+    positions are unchanged to pay for gathering.
     """
+    batch, positions = corrupted.shape[:2]
+    first = torch.tensor(starts, device=corrupted.device).repeat_interleave(batch)
+    live = torch.arange(positions, device=corrupted.device) >= first[:, None]
+    count = sum(positions - start for start in starts) * batch
+    # A matrix product's rows can round otherwise with the number of rows beside them
+    # (a CPU's BLAS kernels take rows in blocks of 4 or 8, and a lone row otherwise):
+    # padded to whole blocks, the gathered rows add no such dependence on how the
+    # sweep's runs are cut into passes (`max_batch`, `max_bytes`) beyond the model's own.
+    pad = -count % _BLOCK
+    if count + pad >= live.numel():
+        return None
 
     def forward(own: Any, *args: Any, **kwargs: Any) -> Any:
         x = _only_tensor(args, kwargs)
-        batch, positions = corrupted.shape[:2]
-        if x is None or x.dim() != 3 or x.shape[:2] != (batch * len(starts), positions):
+        if x is None or x.dim() != 3 or x.shape[:2] != live.shape:
             return own(*args, **kwargs)  # the last position alone (trimmed), or not ours
-        first = torch.tensor(starts, device=x.device).repeat_interleave(batch)
-        live = torch.arange(positions, device=x.device) >= first[:, None]
         gathered = x[live]
-        count = gathered.shape[0]
-        if count + -count % _BLOCK >= live.numel():
-            return own(x)  # too few positions unchanged to pay for gathering
-        # A matrix product's rows can round otherwise with the number of rows beside them
-        # (a CPU's BLAS kernels take rows in blocks of 4 or 8, and a lone row otherwise):
-        # padded to whole blocks, a run's numbers do not move with how the sweep's runs
-        # are cut into passes (`max_batch`, `max_bytes`).
-        padded = torch.cat([gathered, gathered[-1:].expand(-count % _BLOCK, -1)])
-        mapped = own(padded.unsqueeze(1))
-        if not isinstance(mapped, torch.Tensor) or mapped.shape[:2] != (padded.shape[0], 1):
+        mapped = own(torch.cat([gathered, gathered[-1:].expand(pad, -1)]).unsqueeze(1))
+        if not isinstance(mapped, torch.Tensor) or mapped.shape[:2] != (count + pad, 1):
             return own(x)  # not a tensor per position
         out = corrupted.to(mapped.dtype).repeat(len(starts), 1, 1)
         out[live] = mapped[:count, 0]
@@ -232,27 +234,16 @@ def _chunked(own: Any, *args: Any, **kwargs: Any) -> Any:
     return torch.cat(pieces)
 
 
-def recorded(layers: list[torch.nn.Module]) -> dict[torch.nn.Module, int]:
-    """The modules whose output in the corrupted run `Lean` uses, each with its layer.
-
-    Each layer's MLP, where it sits in that layer alone (one shared by several layers
-    gives several outputs, and is left out).
-    """
+def recorded(layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The modules whose output in the corrupted run `Lean` uses: each layer's MLP, where
+    it sits in that layer alone (one shared by several layers gives several outputs, and
+    is left out)."""
     owners: dict[torch.nn.Module, set[int]] = {}
     for index, layer in enumerate(layers):
         for module in layer.modules():
             owners.setdefault(module, set()).add(index)
-    chosen: dict[torch.nn.Module, int] = {}
-    for index, layer in enumerate(layers):
-        mlp = getattr(layer, "mlp", None)
-        if isinstance(mlp, torch.nn.Module) and owners.get(mlp) == {index}:
-            chosen[mlp] = index
-    return chosen
-
-
-def _only(replacements: list[Replacement], kind: Replacement) -> bool:
-    """Whether `replacements` hold nothing but `kind`."""
-    return all(replacement is kind for replacement in replacements)
+    mlps = [(index, getattr(layer, "mlp", None)) for index, layer in enumerate(layers)]
+    return [mlp for index, mlp in mlps if mlp is not None and owners.get(mlp) == {index}]
 
 
 # Activations patched after the attention's head outputs.
@@ -353,13 +344,15 @@ class Lean:
         start: int,
         positions: list[int | None],
     ) -> None:
-        """Add to `chosen` each MLP's `_live_positions` (module notes)."""
+        """Add to `chosen` each MLP's `_live_positions` (module notes), except where the
+        MLP shares rows: the runs present at a layer are those entered by then."""
         first = [0 if pos is None else max(0, pos - start) for pos in positions]
         for layer in range(entries[0], len(self.layers)):
-            present = [i for i, entry in enumerate(entries) if entry <= layer]
-            starts = [first[i] for i in present]
             mlp = self.row_wise[layer]
             corrupted = None if mlp is None else self.outputs.get(mlp)
-            if mlp is not None and corrupted is not None and any(starts):
-                if _only(chosen.get(mlp, []), _chunked):
-                    chosen.setdefault(mlp, []).append(_live_positions(starts, corrupted[:, start:]))
+            if mlp is None or corrupted is None or chosen.get(mlp, [_chunked]) != [_chunked]:
+                continue
+            present = sum(entry <= layer for entry in entries)
+            live = _live_positions(first[:present], corrupted[:, start:])
+            if live is not None:
+                chosen.setdefault(mlp, []).append(live)

@@ -41,7 +41,7 @@ with it, enters the first layer a pass runs.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -303,6 +303,13 @@ class Shortcuts:
 
     def tolerance(self) -> float:
         return tolerance(self.backend.dtype)
+
+    def key(self) -> Hashable:
+        """The shortcuts a pass takes, as a key (`safelens.patching._hf_checked`)."""
+        lean = self.lean
+        replacements = None if lean is None else (lean.after_heads, lean.shares, bool(lean.outputs))
+        flags = (self.skips, self.last_only, self.trim, self.trim_mlp, self.trim_mlp_early)
+        return (*flags, self.partial, self.stagger, replacements)
 
 
 def _holds(check: Check, shortcuts: Shortcuts) -> bool:

@@ -51,7 +51,7 @@ from ..core._thread_hooks import hooked_anywhere
 from ._clean_cache import backend_sizes, check_clean_cache
 from ._engine import Planned, Run, score
 from ._grouping import with_positions_before
-from ._hf_checked import fingerprint, remembered, signature
+from ._hf_checked import fingerprint, remembered
 from ._hf_passes import Editor, Pass, passes
 from ._hf_shortcuts import Shortcuts, captured, tolerance
 from ._hf_sites import _tokens, clean_activation
@@ -209,7 +209,7 @@ def run_sweep(
         model_key = (fingerprint(model, tokens, mask), site.activation)
 
         def check(shortcuts: Shortcuts, entries: list[int], start: int) -> bool:
-            key = (model_key, signature(shortcuts), tuple(entries), start)
+            key = (model_key, shortcuts.key(), tuple(entries), start)
             return remembered(model, key, lambda: checked(shortcuts, entries, start))
 
         def checked(shortcuts: Shortcuts, entries: list[int], start: int) -> bool:
