@@ -301,8 +301,9 @@ class HFKeyValueCache(CachePasses):
         ```
         """
         layers, frozen = load_layers(path, device, check_naming(naming))
-        cache = cls(frozen=frozen, naming=naming)
+        cache = cls(naming=naming)
         cache.layers.extend(layers)
+        cache._frozen = frozen  # after the layers: each is told
         return cache
 
     def check_fits(self, config: Any) -> None:

@@ -52,6 +52,18 @@ class CachePasses(TransformersCache):
             layer = len(self.layers)
             window = self._windows[layer] if layer < len(self._windows) else None
             self.layers.append(HFCacheLayer(layer, naming=self.naming, sliding_window=window))
+            self.layers[-1].frozen = self._frozen
+
+    @property
+    def _frozen(self) -> bool:
+        """Whether updates store; each layer is told, to refuse keys or values assigned to it."""
+        return bool(self.__dict__.get("_frozen_flag", False))
+
+    @_frozen.setter
+    def _frozen(self, value: bool) -> None:
+        self.__dict__["_frozen_flag"] = bool(value)
+        for layer in self.layers:
+            layer.frozen = bool(value)
 
     # -- the seam ---------------------------------------------------------------------
 

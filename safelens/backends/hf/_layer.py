@@ -35,7 +35,7 @@ import torch
 from jaxtyping import Float
 from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicSlidingWindowLayer
 
-from ...core._errors import CacheShapeError
+from ...core._errors import CacheShapeError, FrozenCacheError
 from ...core._hook_point import CacheHookPoint
 from ...core._storage import Sequence
 from ._shared_read import note_read
@@ -125,6 +125,8 @@ class HFCacheLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.evicted = evicted
+        # Set by the cache that holds this layer: a frozen one refuses assigned keys/values.
+        self.frozen = False
         # While `generate` may roll back (assisted decoding), keep what the window drops.
         self.record_past = False
         for point in HOOK_POINTS:
@@ -140,16 +142,81 @@ class HFCacheLayer(CacheLayerMixin):
     def is_initialized(self) -> bool:
         return self._keys is not None
 
-    # Read-only: HuggingFace reads them, and changes go through the cache's methods.
+    # HuggingFace reads them; a client that compresses the cache assigns them (`_assigned`).
     @property
-    def keys(self) -> Float[torch.Tensor, "batch n_heads pos_so_far d_head"] | None:  # type: ignore[override]
+    def keys(self) -> Float[torch.Tensor, "batch n_heads pos_so_far d_head"] | None:
         """The cached keys, head-major (a view of the storage), or `None`."""
         return None if self._keys is None else self._keys.view().transpose(1, 2)
 
+    @keys.setter
+    def keys(self, keys: torch.Tensor | None) -> None:
+        self._keys = self._assigned("keys", keys, self._keys)
+
     @property
-    def values(self) -> Float[torch.Tensor, "batch n_heads pos_so_far d_head"] | None:  # type: ignore[override]
+    def values(self) -> Float[torch.Tensor, "batch n_heads pos_so_far d_head"] | None:
         """The cached values, head-major (a view of the storage), or `None`."""
         return None if self._values is None else self._values.view().transpose(1, 2)
+
+    @values.setter
+    def values(self, values: torch.Tensor | None) -> None:
+        self._values = self._assigned("values", values, self._values)
+
+    def _assigned(self, name: str, new: Any, held: Sequence | None) -> Sequence:
+        """What `layer.keys = new` (or `values`) stores: a copy of `new`, position-major.
+
+        As `DynamicLayer`, where a client that compresses the cache (kvpress' presses)
+        assigns fewer positions; `keys` and `values` are assigned one after the other, so
+        their lengths may differ until both are. A sliding-window layer keeps counting
+        every position seen, as `DynamicSlidingWindowLayer`'s `cumulative_length`.
+
+        **Raises:** [`FrozenCacheError`][safelens.FrozenCacheError] on a frozen cache;
+        [`CacheShapeError`][safelens.CacheShapeError] on a layer that has seen nothing,
+        or for a tensor of another batch, heads, head size, dtype or device. The layer is
+        then unchanged.
+        """
+        call = f"cache.layers[{self.layer}].{name} = …"
+        if self.frozen:
+            raise FrozenCacheError(
+                f"{call} replaces what a frozen cache holds; assign on cache.fork() (or "
+                "unfreeze() first)"
+            )
+        if held is None:
+            raise CacheShapeError(
+                f"{call}: layer {self.layer} holds nothing yet, so there is nothing to "
+                "replace; run a forward pass into the cache first"
+            )
+        like = held.template
+        batch, _, heads, d_head = like.shape
+        fits = (
+            isinstance(new, torch.Tensor)
+            and new.dim() == 4
+            and (new.shape[0], new.shape[1], new.shape[3]) == (batch, heads, d_head)
+            and (new.dtype, new.device) == (like.dtype, like.device)
+        )
+        if not fits:
+            raise CacheShapeError(
+                f"{call}: expected a head-major tensor [batch={batch}, n_kv_heads={heads}, "
+                f"pos=any, d_head={d_head}] of {like.dtype} on {like.device}, as the layer "
+                f"holds; got {_arrived(new)}"
+            )
+        if name == "keys" and self.sliding_window is not None:
+            self.evicted = max(self.get_seq_length() - new.shape[2], 0)
+        return Sequence.of(new.transpose(1, 2).clone(memory_format=torch.contiguous_format))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The keys' dtype (as `DynamicLayer`'s, set at the first update)."""
+        return self._template("dtype").dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The keys' device (as `DynamicLayer`'s, set at the first update)."""
+        return self._template("device").device
+
+    def _template(self, name: str) -> torch.Tensor:
+        if self._keys is None:
+            raise AttributeError(f"layer {self.layer} has no {name} before its first update")
+        return self._keys.template
 
     @property
     def batch(self) -> int | None:
@@ -264,14 +331,9 @@ class HFCacheLayer(CacheLayerMixin):
         """`new` as a head-major tensor like `held`'s, or a `CacheShapeError` saying why not."""
         where = f"layer {self.layer}"
         if not isinstance(new, torch.Tensor) or new.dim() != 4 or not new.is_floating_point():
-            got = (
-                f"{tuple(new.shape)} {new.dtype}"
-                if isinstance(new, torch.Tensor)
-                else type(new).__name__
-            )
             raise CacheShapeError(
                 f"{where}: {name} must be a floating tensor [batch, n_kv_heads, new_tokens, "
-                f"d_head] (head-major, as HuggingFace attention passes it), got {got}"
+                f"d_head] (head-major, as HuggingFace attention passes it), got {_arrived(new)}"
             )
         if held is None:
             return new
@@ -366,6 +428,13 @@ class HFCacheLayer(CacheLayerMixin):
     def storages(self) -> list[int]:
         """Data pointers of the storage this layer reads, for sharing checks."""
         return [p for s in (self._keys, self._values) if s is not None for p in s.storages()]
+
+
+def _arrived(value: Any) -> str:
+    """What arrived, for an error: a tensor's shape, dtype and device, else its type."""
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {value.dtype} on {value.device}"
+    return type(value).__name__
 
 
 def _write(held: Sequence | None, new: torch.Tensor, store: bool) -> torch.Tensor:
