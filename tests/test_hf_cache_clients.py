@@ -4,11 +4,15 @@ KV-cache compression libraries (kvpress' presses) hook each attention module aft
 prefill, read `cache.layers[i].keys` / `.values`, keep some positions, and assign the
 result back: `cache.layers[i].keys = kept_keys`, then `.values`. The reference is
 `DynamicCache` under the same client: the same kept positions, logits and generated
-tokens. A frozen cache refuses the assignment and stays as it was.
+tokens. A frozen cache refuses the assignment and stays as it was. Also the recipes
+that reuse a prefix by copying it (`copy.deepcopy`, `pickle`, `torch.save`).
 """
 
 from __future__ import annotations
 
+import copy
+import io
+import pickle
 from contextlib import contextmanager
 
 import pytest
@@ -190,3 +194,44 @@ def test_a_layer_that_has_seen_nothing_has_nothing_to_replace():
         cache.layers[0].keys = torch.zeros(1, 2, 3, 8)
     with pytest.raises(AttributeError, match="before its first update"):
         _ = cache.layers[0].dtype
+
+
+# -- pickle, torch.save and copy.deepcopy, as HuggingFace's cache-reuse recipes use them --
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "mistral"])
+@pytest.mark.parametrize(
+    "copied",
+    [
+        pytest.param(lambda cache: pickle.loads(pickle.dumps(cache)), id="pickle"),
+        pytest.param(copy.deepcopy, id="deepcopy"),
+        pytest.param(lambda cache: _saved_and_loaded(cache), id="torch.save"),
+    ],
+)
+def test_a_copied_prefix_continues_as_a_copied_dynamic_cache(name, copied):
+    """The prefix is copied after its pass (whose undo does not travel) and continued."""
+    lm, prompt = model(name), ids(1, 6)
+    longer = torch.cat([prompt, ids(1, 3, seed=9)], 1)
+    tokens, caches = {}, {}
+    for label, cache in (("ours", HFKeyValueCache()), ("reference", DynamicCache())):
+        with torch.no_grad():
+            run(lm, prompt, cache)
+        caches[label] = cache
+        tokens[label] = lm.generate(
+            longer, max_new_tokens=4, do_sample=False, **{hf_cache_argument(lm): copied(cache)}
+        )
+    assert torch.equal(tokens["ours"], tokens["reference"])
+    assert caches["ours"].get_seq_length() == 6  # the original is untouched
+    frozen = caches["ours"]
+    frozen.freeze()
+    again = copied(frozen)
+    assert again.frozen and all(layer.frozen for layer in again.layers)
+    with pytest.raises(FrozenCacheError):
+        again.layers[0].keys = again.layers[0].keys[:, :, :1]
+
+
+def _saved_and_loaded(cache: HFKeyValueCache) -> HFKeyValueCache:
+    buffer = io.BytesIO()
+    torch.save(cache, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)

@@ -54,6 +54,12 @@ class CachePasses(TransformersCache):
             self.layers.append(HFCacheLayer(layer, naming=self.naming, sliding_window=window))
             self.layers[-1].frozen = self._frozen
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What `pickle` and `copy.deepcopy` keep: all but the last pass's undo."""
+        state = dict(self.__dict__)
+        state["_pass"], state["_last_layer"] = None, -1
+        return state
+
     @property
     def _frozen(self) -> bool:
         """Whether updates store; each layer is told, to refuse keys or values assigned to it."""
