@@ -15,6 +15,7 @@ bridge's hook points and context level, its parameters, and safelens' own bookke
 
 from __future__ import annotations
 
+import copy
 import threading
 from types import SimpleNamespace
 
@@ -784,3 +785,30 @@ def test_two_threads_sweeping_one_bridge_get_the_serial_results():
     assert torch.equal(outer, serial[0])
     assert len(inner) >= 4
     assert all(isinstance(got, torch.Tensor) and torch.equal(got, serial[1]) for got in inner)
+
+
+def test_layers_that_share_one_module_are_refused_naming_both_and_left_as_found():
+    """A module object used by two layers: a hook on it fires in both, so neither the
+    clean cache nor a sweep can hook one layer's share; the error names both places."""
+    lm = fresh("llama", layers=3)
+    lm.model.layers[2].mlp = lm.model.layers[1].mlp
+    clean, corrupted = pair(6)
+    before = snapshot(lm)
+    shared = r"'model.layers.2.mlp' is the same module object as 'model.layers.1.mlp'"
+    with pytest.raises(safelens.HookError, match=shared + ".*copy.deepcopy"):
+        run_with_patching_cache(lm, clean)
+    identity = [("model.layers.2.mlp", lambda tensor, hook: tensor)]
+    with pytest.raises(safelens.HookError, match=shared):
+        safelens.run_with_hooks(lm, corrupted, cache=safelens.HFKeyValueCache(), fwd_hooks=identity)
+    assert_as_found(lm, before)
+    # A name of no module is still told the names it may have meant.
+    typo = [("model.layers.2.mpl", lambda tensor, hook: tensor)]
+    with pytest.raises(safelens.HookError, match="unknown hook name 'model.layers.2.mpl'"):
+        safelens.run_with_hooks(lm, corrupted, cache=safelens.HFKeyValueCache(), fwd_hooks=typo)
+    # Given its own module, the layer is hooked and swept as any other.
+    lm.model.layers[2].mlp = copy.deepcopy(lm.model.layers[1].mlp)
+    _, clean_cache = run_with_patching_cache(lm, clean)
+    ours = safelens.get_act_patch_mlp_out(lm, corrupted, clean_cache, metric, progress=False)
+    cells = [(layer, pos) for layer in range(3) for pos in range(6)]
+    expected = reference(lm, "mlp_out", cells, clean, corrupted, torch.ones_like(clean))
+    torch.testing.assert_close(ours.flatten(), expected, atol=TOL, rtol=TOL)

@@ -194,6 +194,10 @@ def _resolve(
     """
     if modules is None:
         modules = dict(backend.model.named_modules())
+    if not callable(names):
+        for name in [names] if isinstance(names, str) else names:
+            if isinstance(name, str):
+                _check_not_shared(backend.model, name, modules)
     return split_names(
         names,
         [name for name in modules if name],
@@ -201,6 +205,32 @@ def _resolve(
         "a module of the model",
         "capture it with run_with_hooks and a hook that keeps what it sees",
         cache_only,
+    )
+
+
+def _check_not_shared(
+    model: torch.nn.Module, name: str, modules: dict[str, torch.nn.Module]
+) -> None:
+    """A `HookError` if `name` is a second name of a module the model uses in several places.
+
+    `named_modules()` lists a module object once, under its first name; a forward hook
+    on it would fire wherever the model calls it, so one place cannot be hooked alone.
+    """
+    if name in modules:
+        return
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        return  # not a module at all: `split_names` says so
+    first = next((known for known, each in modules.items() if each is module), None)
+    if first is None or first == name:
+        return
+    raise HookError(
+        f"{name!r} is the same module object as {first!r}: the model calls one module in "
+        "several places (its layers share it), and a hook on it would fire at each of "
+        "them, so safelens cannot hook one of them alone; give each place its own module "
+        f"(e.g. model.get_submodule({name.rsplit('.', 1)[0]!r}).{name.rsplit('.', 1)[-1]} = "
+        f"copy.deepcopy(model.get_submodule({first!r}))) to hook or patch them apart"
     )
 
 
