@@ -78,7 +78,10 @@ def corrupted_pass(
 
         return hook
 
-    with torch.enable_grad():
+    # Under `torch.inference_mode()` too: gradients need it off, and an inference tensor
+    # (tokens made under it) cannot be saved for the backward pass, so a copy runs.
+    with torch.inference_mode(False), torch.enable_grad():
+        tokens = tokens.clone() if tokens.is_inference() else tokens
         logits = _logits(backend, tokens, [(read, keep(read.key)) for read in reads])
         value = metric(logits)
         _check_value(value, tuple(logits.shape), rows)

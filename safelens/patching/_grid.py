@@ -52,6 +52,7 @@ from ..backends._override import Replacement, overriding
 from ..backends.hooked._shared_attention import shared_inputs, shared_prefix_attention
 from ..core._cache import KeyValueCache
 from ..core._thread_hooks import Hook, thread_hooks
+from ..core._versions import version_of
 from ._engine import Planned, Run, score
 from ._fused import tanh_gelu
 from ._grouping import groups, run_rows, with_positions_before
@@ -204,9 +205,12 @@ def _once(norm: torch.nn.Module) -> Replacement:
         hooked = any(point._forward_hooks or point._forward_pre_hooks for point in points)
         if not isinstance(x, torch.Tensor) or hooked:
             return own(*args, **kwargs)
-        if last and last[0][0] is x and last[0][1] == x._version:  # not edited in place since
+        version = version_of(x)
+        if version is None:  # an inference tensor: its edits are not counted
+            return own(x)
+        if last and last[0][0] is x and last[0][1] == version:  # not edited in place since
             return last[0][2]
-        last[:] = [(x, x._version, own(x))]
+        last[:] = [(x, version, own(x))]
         return last[0][2]
 
     return forward

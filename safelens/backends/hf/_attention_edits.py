@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ...core._errors import PatchingError
+from ...core._versions import version_of
 
 __all__ = ["ATTENTION_POINTS", "Edit", "attention_edits", "sink_logits", "sink_softmax"]
 
@@ -201,12 +202,22 @@ def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tens
 
 
 def _read_or_edited(edit: Edit, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """What `edit` makes of `tensor`, and whether it changed it (in place counts)."""
-    version = tensor._version
+    """What `edit` makes of `tensor`, and whether it changed it (in place counts).
+
+    An inference tensor counts no edits (`version_of`): a copy taken before tells.
+    """
+    version = version_of(tensor)
+    before = tensor.clone() if version is None else None
     result = edit(tensor)
+
+    def edited() -> bool:
+        if before is not None:
+            return not torch.equal(tensor, before)
+        return tensor._version != version
+
     if result is None:
-        return tensor, tensor._version != version
-    return result, result is not tensor or tensor._version != version
+        return tensor, edited()
+    return result, result is not tensor or edited()
 
 
 def _implementation(module: torch.nn.Module) -> str:

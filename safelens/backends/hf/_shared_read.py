@@ -35,6 +35,7 @@ from jaxtyping import Float
 from transformers.modeling_utils import AttentionInterface
 
 from ...core._storage import Sequence
+from ...core._versions import version_of
 from ._attention_edits import sink_logits, sink_softmax
 
 __all__ = ["THREAD", "note_read", "shared_attention"]
@@ -64,7 +65,7 @@ class _Thread(threading.local):
     def __init__(self) -> None:
         self.inside: dict[int, int] = {}
         self.read: _Read | None = None
-        self.mask: tuple[torch.Tensor, int, torch.Tensor, bool] | None = None
+        self.mask: tuple[torch.Tensor, int | None, torch.Tensor, bool] | None = None
 
 
 THREAD = _Thread()
@@ -234,14 +235,15 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, boo
 
     Kept for the next layers, which get the same mask object (unless changed in place).
     """
-    kept = THREAD.mask
-    if kept and kept[0] is mask and kept[1] == mask._version and kept[2].dtype == dtype:
-        return kept[2], kept[3]
+    kept, version = THREAD.mask, version_of(mask)
+    if kept and kept[0] is mask and version is not None and kept[1] == version:
+        if kept[2].dtype == dtype:
+            return kept[2], kept[3]
     if mask.dtype == torch.bool:
         additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
         additive.masked_fill_(mask.logical_not(), float("-inf"))
         blind = not bool(mask.any(-1).all())
     else:
         additive, blind = mask.to(dtype), False
-    THREAD.mask = (mask, mask._version, additive, blind)
+    THREAD.mask = (mask, version, additive, blind)
     return additive, blind
