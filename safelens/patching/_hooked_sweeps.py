@@ -28,7 +28,7 @@ import torch
 from jaxtyping import Int
 
 from ..backends._backend import Backend
-from ..backends._sites import TL_NAMES, tl_site
+from ..backends._sites import TL_NAMES
 from ..backends._supported import SupportedModel
 from ..backends.hooked._backend import HookedBackend
 from ..core._errors import PatchingError
@@ -54,8 +54,9 @@ __all__ = [
 
 
 def _patcher(sweep: _Sweep) -> Callable[..., None]:
-    """The sweep's patch: each run's clean values at its position and head (`put`)."""
-    site = tl_site(sweep.activation_name, sweep.heads())
+    """The sweep's patch: each run's clean values at its position and head (`put`), in
+    the layout the adapter declares for the site (`Backend.patch_site`)."""
+    site = HookedBackend(sweep.model).patch_site(sweep.activation_name)
 
     def patch(
         tensor: torch.Tensor, runs: list[Run], places: list[int], batch: int, start: int
@@ -240,6 +241,4 @@ def hooked_backend(model: HookedTransformer) -> Backend:
     Not `backend_of`, whose check refuses what only cached passes cannot run
     (`ungroup_grouped_query_attention`): the sweeps run every `HookedTransformer`.
     """
-    from ..backends.hooked._backend import HookedBackend
-
     return HookedBackend(model)
