@@ -35,9 +35,10 @@ import torch
 from jaxtyping import Float
 from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicSlidingWindowLayer
 
-from ...core._errors import CacheShapeError, FrozenCacheError
+from ...core._errors import CacheShapeError
 from ...core._hook_point import CacheHookPoint
 from ...core._storage import Sequence
+from ._layer_fit import check_assigned, fitted
 from ._shared_read import note_read
 
 __all__ = [
@@ -168,37 +169,9 @@ class HFCacheLayer(CacheLayerMixin):
         assigns fewer positions; `keys` and `values` are assigned one after the other, so
         their lengths may differ until both are. A sliding-window layer keeps counting
         every position seen, as `DynamicSlidingWindowLayer`'s `cumulative_length`.
-
-        **Raises:** [`FrozenCacheError`][safelens.FrozenCacheError] on a frozen cache;
-        [`CacheShapeError`][safelens.CacheShapeError] on a layer that has seen nothing,
-        or for a tensor of another batch, heads, head size, dtype or device. The layer is
-        then unchanged.
+        Checked first (`check_assigned`): the layer is then unchanged on an error.
         """
-        call = f"cache.layers[{self.layer}].{name} = …"
-        if self.frozen:
-            raise FrozenCacheError(
-                f"{call} replaces what a frozen cache holds; assign on cache.fork() (or "
-                "unfreeze() first)"
-            )
-        if held is None:
-            raise CacheShapeError(
-                f"{call}: layer {self.layer} holds nothing yet, so there is nothing to "
-                "replace; run a forward pass into the cache first"
-            )
-        like = held.template
-        batch, _, heads, d_head = like.shape
-        fits = (
-            isinstance(new, torch.Tensor)
-            and new.dim() == 4
-            and (new.shape[0], new.shape[1], new.shape[3]) == (batch, heads, d_head)
-            and (new.dtype, new.device) == (like.dtype, like.device)
-        )
-        if not fits:
-            raise CacheShapeError(
-                f"{call}: expected a head-major tensor [batch={batch}, n_kv_heads={heads}, "
-                f"pos=any, d_head={d_head}] of {like.dtype} on {like.device}, as the layer "
-                f"holds; got {_arrived(new)}"
-            )
+        check_assigned(self.layer, name, new, held, self.frozen)
         if name == "keys" and self.sliding_window is not None:
             self.evicted = max(self.get_seq_length() - new.shape[2], 0)
         return Sequence.of(new.transpose(1, 2).clone(memory_format=torch.contiguous_format))
@@ -271,8 +244,8 @@ class HFCacheLayer(CacheLayerMixin):
         another shape. What was stored may then have changed: the cache's `update`
         restores the whole cache.
         """
-        new_keys = self._fit("key_states", key_states, self._keys)
-        new_values = self._fit("value_states", value_states, self._values)
+        new_keys = fitted(self.layer, "key_states", key_states, self._keys)
+        new_values = fitted(self.layer, "value_states", value_states, self._values)
         if (new_keys.shape[0], new_keys.shape[2]) != (new_values.shape[0], new_values.shape[2]):
             raise CacheShapeError(
                 f"layer {self.layer}: key_states of shape {tuple(new_keys.shape)} and "
@@ -326,40 +299,6 @@ class HFCacheLayer(CacheLayerMixin):
             full_keys = full_keys.narrow(1, length - visible, visible)
             full_values = full_values.narrow(1, length - visible, visible)
         return full_keys.transpose(1, 2), full_values.transpose(1, 2), length <= visible
-
-    def _fit(self, name: str, new: Any, held: Sequence | None) -> torch.Tensor:
-        """`new` as a head-major tensor like `held`'s, or a `CacheShapeError` saying why not."""
-        where = f"layer {self.layer}"
-        if not isinstance(new, torch.Tensor) or new.dim() != 4 or not new.is_floating_point():
-            raise CacheShapeError(
-                f"{where}: {name} must be a floating tensor [batch, n_kv_heads, new_tokens, "
-                f"d_head] (head-major, as HuggingFace attention passes it), got {_arrived(new)}"
-            )
-        if held is None:
-            return new
-        like = held.template
-        try:
-            new = new.to(device=like.device, dtype=like.dtype)
-        except (RuntimeError, NotImplementedError) as error:
-            raise CacheShapeError(
-                f"{where}: {name} on {new.device} cannot be moved to the cache's device "
-                f"{like.device} ({error}); pass tensors on {like.device}"
-            ) from None
-        batch, _, heads, d_head = like.shape
-        if (new.shape[0], new.shape[1], new.shape[3]) == (batch, heads, d_head):
-            return new
-        message = (
-            f"{where}: {name} of shape {tuple(new.shape)} do not fit the cache; expected "
-            f"head-major [batch={batch}, n_kv_heads={heads}, new_tokens=any, d_head={d_head}]"
-        )
-        if new.shape[2] == heads and new.shape[3] == d_head and new.shape[1] != heads:
-            message += (
-                "; this looks like position-major [batch, pos, heads, d_head] layout (as "
-                f"HookedTransformer caches); pass {name}.transpose(1, 2)"
-            )
-        elif new.shape[0] != batch and batch == 1:
-            message += f". To continue a batch-1 cache with {new.shape[0]} rows, use expand(n)"
-        raise CacheShapeError(message)
 
     # -- branching --------------------------------------------------------------------
 
@@ -428,13 +367,6 @@ class HFCacheLayer(CacheLayerMixin):
     def storages(self) -> list[int]:
         """Data pointers of the storage this layer reads, for sharing checks."""
         return [p for s in (self._keys, self._values) if s is not None for p in s.storages()]
-
-
-def _arrived(value: Any) -> str:
-    """What arrived, for an error: a tensor's shape, dtype and device, else its type."""
-    if isinstance(value, torch.Tensor):
-        return f"{tuple(value.shape)} {value.dtype} on {value.device}"
-    return type(value).__name__
 
 
 def _write(held: Sequence | None, new: torch.Tensor, store: bool) -> torch.Tensor:
