@@ -81,12 +81,13 @@ def watched_llama(control: str) -> torch.nn.Module:
         with (folder / "passes").open("a") as log:
             log.write("".join(f"{row}\n" for row in rows))
         die_on = folder / "die-on"
-        if die_on.exists() and die_on.read_text() in rows:
-            try:
-                die_on.unlink()
-            except FileNotFoundError:
+        try:  # another worker may remove it at any moment
+            if die_on.read_text() not in rows:
                 return
-            os._exit(1)
+            die_on.unlink()
+        except FileNotFoundError:
+            return
+        os._exit(1)
 
     lm.model.embed_tokens.register_forward_pre_hook(watch)
     return lm
@@ -250,6 +251,18 @@ def test_a_shard_that_kills_its_worker_too_often_fails_the_job(workers, control:
     reference = patch_dataset(SWEEP, model("llama"), clean, corrupted, pair_metric, progress=False)
     ours = workers.patch_dataset(SWEEP, clean, corrupted, pair_metric, progress=False)
     assert (ours.per_pair - reference.per_pair).abs().max() <= 1e-6  # the worker was replaced
+
+
+def test_a_first_worker_found_dead_between_jobs_is_replaced(workers):
+    """A worker can die outside any job (or while a job that failed for another reason
+    still ran a shard on it): the next job's first call on it starts a new one."""
+    clean, corrupted = pairs_of()
+    ray.kill(workers.actors[0])
+    first = workers.actors[0]
+    reference = patch_dataset(SWEEP, model("llama"), clean, corrupted, pair_metric, progress=False)
+    ours = workers.patch_dataset(SWEEP, clean, corrupted, pair_metric, progress=False)
+    assert workers.actors[0] is not first
+    assert (ours.per_pair - reference.per_pair).abs().max() <= 1e-6
 
 
 def test_an_interrupted_job_resumes_computing_only_missing_shards(

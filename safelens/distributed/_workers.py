@@ -191,8 +191,24 @@ class RayWorkers:
             raise WorkerError(self._differ_message([self.model_identity, identity]))
 
     def call(self, function: Callable[..., Any], *arguments: Any) -> Any:
-        """`function(model, *arguments)` on the first replica (an importable function)."""
-        return ray_module().get(self.actors[0].run.remote(function, *arguments))
+        """`function(model, *arguments)` on the first replica (an importable function).
+
+        A first worker found dead (one that died after an earlier job failed for another
+        reason, whose shards it was running are dropped) is replaced and asked again, up
+        to `max_retries` times (at least once); then a `WorkerError`.
+        """
+        ray = ray_module()
+        for attempt in range(max(1, self.max_retries) + 1):
+            try:
+                return ray.get(self.actors[0].run.remote(function, *arguments))
+            except ray.exceptions.RayActorError as error:
+                if attempt == max(1, self.max_retries):
+                    raise WorkerError(
+                        f"the first worker died on every one of {attempt + 1} tries to run "
+                        f"{getattr(function, '__name__', function)!r}: {error}"
+                    ) from error
+                self.replace(0)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def run(
         self,
