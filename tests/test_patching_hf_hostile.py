@@ -801,6 +801,12 @@ def test_layers_that_share_one_module_are_refused_naming_both_and_left_as_found(
     with pytest.raises(safelens.HookError, match=shared):
         safelens.run_with_hooks(lm, corrupted, cache=safelens.HFKeyValueCache(), fwd_hooks=identity)
     assert_as_found(lm, before)
+    # A filter of no known type is still told what a filter may be.
+    for bad in (3, None):
+        with pytest.raises(safelens.HookError, match="a hook name filter must be a name"):
+            safelens.run_with_hooks(
+                lm, corrupted, cache=safelens.HFKeyValueCache(), fwd_hooks=[(bad, identity[0][1])]
+            )
     # A name of no module is still told the names it may have meant.
     typo = [("model.layers.2.mpl", lambda tensor, hook: tensor)]
     with pytest.raises(safelens.HookError, match="unknown hook name 'model.layers.2.mpl'"):

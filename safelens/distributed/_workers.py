@@ -198,17 +198,18 @@ class RayWorkers:
         to `max_retries` times (at least once); then a `WorkerError`.
         """
         ray = ray_module()
-        for attempt in range(max(1, self.max_retries) + 1):
+        replacements = max(1, self.max_retries)
+        for replaced in range(replacements + 1):
             try:
                 return ray.get(self.actors[0].run.remote(function, *arguments))
             except ray.exceptions.RayActorError as error:
-                if attempt == max(1, self.max_retries):
+                if replaced == replacements:
                     raise WorkerError(
-                        f"the first worker died on every one of {attempt + 1} tries to run "
+                        f"the first worker died on every one of {replaced + 1} tries to run "
                         f"{getattr(function, '__name__', function)!r}: {error}"
                     ) from error
                 self.replace(0)
-        raise AssertionError("unreachable")  # pragma: no cover
+        raise AssertionError("unreachable")  # pragma: no cover: the loop returns or raises
 
     def run(
         self,

@@ -194,10 +194,10 @@ def _resolve(
     """
     if modules is None:
         modules = dict(backend.model.named_modules())
-    if not callable(names):
-        for name in [names] if isinstance(names, str) else names:
-            if isinstance(name, str):
-                _check_not_shared(backend.model, name, modules)
+    listed = [names] if isinstance(names, str) else names if isinstance(names, Seq) else []
+    for name in listed:  # a filter of another type is refused by `split_names`
+        if isinstance(name, str):
+            _check_not_shared(backend.model, name, modules)
     return split_names(
         names,
         [name for name in modules if name],

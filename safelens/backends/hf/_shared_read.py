@@ -65,7 +65,7 @@ class _Thread(threading.local):
     def __init__(self) -> None:
         self.inside: dict[int, int] = {}
         self.read: _Read | None = None
-        self.mask: tuple[torch.Tensor, int | None, torch.Tensor, bool] | None = None
+        self.mask: tuple[torch.Tensor, int, torch.Tensor, bool] | None = None
 
 
 THREAD = _Thread()
@@ -236,14 +236,14 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, boo
     Kept for the next layers, which get the same mask object (unless changed in place).
     """
     kept, version = THREAD.mask, version_of(mask)
-    if kept and kept[0] is mask and version is not None and kept[1] == version:
-        if kept[2].dtype == dtype:
-            return kept[2], kept[3]
+    if kept and kept[0] is mask and kept[1] == version and kept[2].dtype == dtype:
+        return kept[2], kept[3]
     if mask.dtype == torch.bool:
         additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
         additive.masked_fill_(mask.logical_not(), float("-inf"))
         blind = not bool(mask.any(-1).all())
     else:
         additive, blind = mask.to(dtype), False
-    THREAD.mask = (mask, version, additive, blind)
+    # An inference mask counts no edits (`version_of`): nothing is kept for it.
+    THREAD.mask = None if version is None else (mask, version, additive, blind)
     return additive, blind
