@@ -181,6 +181,19 @@ def test_pattern_sweeps_refuse_a_bridge_whose_attention_ignores_hook_pattern():
     for sweep in (*PATTERNS, *BUNDLES[1:]):
         with pytest.raises(PatchingError, match=rf"{sweep} {unused}"):
             getattr(safelens, sweep)(lm, corrupted, clean_cache, batched, progress=False)
+    # So does the generic sweep of patterns, where every patch would give the corrupted
+    # run's metric as silently.
+    with pytest.raises(PatchingError, match=rf"generic_activation_patch {unused}"):
+        safelens.generic_activation_patch(
+            lm,
+            corrupted,
+            clean_cache,
+            batched,
+            patching.layer_head_pattern_patch_setter,
+            "pattern",
+            ["layer", "head_index"],
+            progress=False,
+        )
     assert hook_state(lm) == hooks
 
 

@@ -243,8 +243,9 @@ def test_hooked_pattern_sweep_skips_rows_before_the_split(hooked_runs):
     )
     assert (got - expected).abs().max() <= TOL
     assert (got - got.flatten()[0]).abs().max() > 1e-6
-    # [layer, head, dest_pos]: rows before SPLIT are the corrupted run's in both runs.
-    assert hooked_runs and min(index[2] for index in hooked_runs) == SPLIT
+    # Cells [layer, dest_pos, head] (the result moves the head second): rows before
+    # SPLIT are the corrupted run's in both runs.
+    assert hooked_runs and min(cell[1] for cell in hooked_runs) == SPLIT
 
 
 @pytest.mark.parametrize(
@@ -263,3 +264,97 @@ def test_a_skipped_patch_keeps_no_graph_with_gradients_on(kind):
         _, clean_cache = lm.run_with_cache(clean)
         got = safelens.get_act_patch_resid_pre(lm, corrupted, clean_cache, metric, progress=False)
     assert not got.requires_grad and got.grad_fn is None
+
+
+# -- generic_activation_patch with TransformerLens' setters -------------------------------
+
+# (activation, the setter, its index columns, the named sweep of the same cells)
+GENERIC = [
+    (
+        "k",
+        "layer_pos_head_vector_patch_setter",
+        ["layer", "pos", "head_index"],
+        "get_act_patch_attn_head_k_by_pos",
+    ),
+    ("resid_pre", "layer_pos_patch_setter", ["layer", "pos"], "get_act_patch_resid_pre"),
+    (
+        "pattern",
+        "layer_head_pos_pattern_patch_setter",
+        ["layer", "head_index", "dest_pos"],
+        "get_act_patch_attn_head_pattern_by_pos",
+    ),
+]
+
+
+def _cells(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every third cell of `shape`, shuffled; and the same with every other last index
+    negative (counted from the end, as TransformerLens' setters index)."""
+    cells = torch.cartesian_prod(*(torch.arange(n) for n in shape)).reshape(-1, len(shape))[::3]
+    cells = cells[torch.randperm(len(cells), generator=torch.Generator().manual_seed(0))]
+    negative = cells.clone()
+    negative[::2, -1] -= shape[-1]
+    return cells, negative
+
+
+@pytest.mark.parametrize(
+    "kind", [pytest.param("hooked", marks=pytest.mark.hooked_transformer), "bridge", "hf"]
+)
+def test_a_generic_sweep_with_a_transformer_lens_setter_runs_as_the_named_sweep(
+    kind, monkeypatch, seam_runs
+):
+    """Its index rows are the named sweep's cells: the same numbers, and the patches
+    before the prompts differ are skipped (no pass runs them, every run's position
+    is where it patches). A setter of TransformerLens' whose index columns do not name
+    the axes it writes runs as given, and still equals TransformerLens' own."""
+    if kind == "hooked":
+        from models import make_model, tokens
+
+        from safelens.patching import _grid
+
+        lm, make = make_model("rotary", n_kv_heads=2), tokens
+        forwarded: list = []
+        forward = _grid._forward_chunk
+
+        def spy(model_, corrupted, pos, chunk, **shortcuts):
+            forwarded.extend(chunk)
+            return forward(model_, corrupted, pos, chunk, **shortcuts)
+
+        monkeypatch.setattr(_grid, "_forward_chunk", spy)
+    else:
+        lm = bridge("llama") if kind == "bridge" else model("llama")
+        make, forwarded = ids, seam_runs
+    clean, corrupted = pair(lambda batch, length, seed: make(batch, length, seed))
+    if kind == "hf":
+        _, clean_cache = run_with_patching_cache(lm, clean)
+    else:
+        _, clean_cache = lm.run_with_cache(clean)
+    for activation, setter, columns, sweep in GENERIC:
+        named = getattr(safelens, sweep)(lm, corrupted, clean_cache, metric, progress=False)
+        cells, negative = _cells(tuple(named.shape))
+        forwarded.clear()
+        got = safelens.generic_activation_patch(
+            lm,
+            corrupted,
+            clean_cache,
+            metric,
+            getattr(patching, setter),
+            activation,
+            index_df=pd.DataFrame(negative.tolist(), columns=columns),
+            progress=False,
+        )
+        assert got.shape == (len(cells),), activation
+        assert (got - named[tuple(cells.T)]).abs().max() <= 1e-6, activation
+        assert (got - got[0]).abs().max() > 1e-6, activation  # the patches matter
+        assert forwarded and all(run.pos is not None for run in forwarded), activation
+        assert all(run.pos >= SPLIT for run in forwarded), activation
+        # The cells hold patches before the split, and no pass runs them.
+        pos_axis = columns.index("dest_pos" if "dest_pos" in columns else "pos")
+        assert any(cell[pos_axis] < SPLIT for cell in cells.tolist()), activation
+    if kind == "hf":
+        return
+    as_given = [patching.layer_pos_patch_setter, "resid_pre", ("layer", "head_index")]
+    got = safelens.generic_activation_patch(
+        lm, corrupted, clean_cache, metric, *as_given, progress=False
+    )
+    expected = patching.generic_activation_patch(lm, corrupted, clean_cache, metric, *as_given)
+    assert (got - expected).abs().max() <= TOL

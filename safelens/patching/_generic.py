@@ -3,9 +3,10 @@
 It takes the arguments of `transformer_lens.patching.generic_activation_patch` and
 returns its tensor (and index frame), with many patched runs per forward pass. The
 first index column is the layer; a `pos` column, when there is one, is the first
-position the setter changes. On a `HookedTransformer` it runs in
-`safelens.patching._hooked_sweeps` (positions before each patch reused from the corrupted
-run); on a TransformerBridge or a HuggingFace causal LM in
+position the setter changes. Its runs, one per index row, come from the sweeps' one
+front-end (`safelens.patching._front.generic_sweep`) and run on the family's runner: on a
+`HookedTransformer` in `safelens.patching._hooked_sweeps` (positions before each patch
+reused from the corrupted run); on a TransformerBridge or a HuggingFace causal LM in
 `safelens.patching._hf_generic`. The named sweeps (`safelens.patching._sweeps`) are this
 function at TransformerLens' setters and indices, and call it when a keyword changes.
 
@@ -25,9 +26,9 @@ from jaxtyping import Int
 
 from ..backends._supported import SupportedModel
 from ..core._errors import PatchingError
-from ._limits import DEFAULT_MAX_BYTES
+from ._front import generic_sweep
+from ._limits import DEFAULT_MAX_BYTES, Limits
 from ._metric import Metric
-from ._runners import runner_of
 
 if TYPE_CHECKING:
     from transformer_lens import ActivationCache
@@ -105,7 +106,7 @@ def generic_activation_patch(
             f"activation_name must be a str such as 'resid_pre', 'z' or 'k', as "
             f"get_act_name spells it, got {type(activation_name).__name__} {activation_name!r}"
         )
-    result, index_df = runner_of(model).generic(
+    result, index_df = generic_sweep(
         model,
         corrupted_tokens,
         clean_cache,
@@ -114,8 +115,6 @@ def generic_activation_patch(
         activation_name,
         index_axis_names,
         index_df,
-        max_batch,
-        max_bytes,
-        progress,
+        Limits(max_batch, max_bytes, progress),
     )
     return (result, index_df) if return_index_df else result

@@ -11,7 +11,9 @@ position alone.
 
 On a TransformerBridge the setter runs on the bridge's own hook points (so it sees what
 it sees under TransformerLens, keys before the rotary embedding included);
-`activation_name` must name a hook point inside every block (`blocks.{layer}.…`). On a
+`activation_name` must name a hook point inside every block (`blocks.{layer}.…`); a
+bridge whose attention ignores what `hook_pattern` returns is refused for patterns, as
+the pattern sweeps refuse it (`safelens.patching._pattern_hook`). On a
 plain HuggingFace model it runs at the site of `safelens.patching._hf_sites` for the
 activation `get_act_name` names (`q`, `k`, `v`, `z`, `pattern`, `attn_scores`,
 `resid_pre`, `resid_mid`, `resid_post`, `attn_out`, `mlp_out`), with the clean
@@ -27,7 +29,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import pandas as pd
 import torch
 
 from ..backends._backend import Backend
@@ -36,38 +37,38 @@ from ..backends._sites import TL_NAMES, Site
 from ..backends.bridge._backend import BridgeBackend
 from ..core._errors import PatchingError
 from ._clean_cache import axes_of, backend_sizes, check_clean_cache, shape_error
+from ._hf_passes import Editor
 from ._hf_sites import _tokens, clean_activation
-from ._hf_sweeps import Editor, Run, run_sweep
-from ._index import check_index_choice, check_setter_result, index_grid
-from ._limits import _check_limits
-from ._metric import Metric
+from ._index import check_setter_result
+from ._pattern_hook import check_pattern_hook
 
-__all__ = ["seam_generic"]
+__all__ = ["generic_inputs"]
 
 PatchSetter = Callable[[torch.Tensor, Sequence[int], torch.Tensor], Any]
 
 
-def seam_generic(
+def generic_inputs(
     model: Any,
     corrupted_tokens: torch.Tensor,
     clean_cache: Any,
-    patching_metric: Metric,
     patch_setter: PatchSetter,
     activation_name: str,
-    index_axis_names: Sequence[str] | None,
-    index_df: pd.DataFrame | None,
-    max_batch: int | None,
-    max_bytes: int,
-    progress: bool,
-) -> tuple[torch.Tensor, pd.DataFrame]:
-    """`generic_activation_patch` on a bridge or HuggingFace model (module notes): result and index rows."""
+) -> tuple[Backend, Site, torch.Tensor, list[torch.Tensor], int, Editor]:
+    """`generic_activation_patch`'s checked inputs on a bridge or HuggingFace model (module notes).
+
+    `(backend, site, tokens, clean, heads, editor)`, as `_hf_sweeps.SeamSweep` takes them:
+    each layer's clean tensor in TransformerLens' layout, the heads of a head index, and
+    the editor that runs `patch_setter` on each run's rows.
+    """
     backend = backend_of(model, "generic_activation_patch")
-    _check_limits(max_batch, max_bytes, progress)
-    check_index_choice(index_axis_names, index_df)
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
     check_clean_cache(clean_cache, backend_sizes(backend), backend.clean_cache_call)
     batch, length = tokens.shape
     if backend.family == "bridge":
+        from transformer_lens.utilities import get_act_name
+
+        if get_act_name(activation_name, 0).endswith("attn.hook_pattern"):
+            check_pattern_hook(model, tokens, "generic_activation_patch")
         site, clean = _bridge_site(model, activation_name, clean_cache, batch)
     else:
         site, clean = _hf_site(backend, activation_name, clean_cache, batch, length)
@@ -80,11 +81,6 @@ def seam_generic(
     # d_head]`), query heads otherwise, as on a HookedTransformer.
     n_heads = backend.config.num_attention_heads  # type: ignore[attr-defined]
     heads = clean[0].shape[2] if activation_name in ("k", "v") else n_heads
-    sizes = {"layer": backend.n_layers, "pos": length, "src_pos": length, "dest_pos": length}
-    sizes |= {"head_index": int(heads), "head": int(heads)}
-    index_df, shape = index_grid(sizes, index_axis_names, index_df)
-    indices = [[int(i) for i in row] for row in index_df.itertuples(index=False)]
-    runs = [Run(slot, index[0], None) for slot, index in enumerate(indices)]
 
     def editor(layer: int, at: list[tuple[int, Any]]) -> Callable[[torch.Tensor], torch.Tensor]:
         def edit(hooked: torch.Tensor) -> torch.Tensor:
@@ -100,10 +96,9 @@ def seam_generic(
                 )
             for place, run in at:
                 rows = tensor[place * batch : (place + 1) * batch]
-                index = indices[run.slot]
-                patched = patch_setter(rows, list(index), clean[layer])
+                patched = patch_setter(rows, list(run.cell), clean[layer])
                 patched = rows if patched is None else patched
-                check_setter_result(patched, rows, index)
+                check_setter_result(patched, rows, list(run.cell))
                 if patched is not rows:
                     rows.copy_(patched)
             return hooked
@@ -111,20 +106,7 @@ def seam_generic(
         return edit
 
     editing: Editor = editor  # checked against the protocol
-    result = run_sweep(
-        backend,
-        site,
-        tokens,
-        clean,
-        runs,
-        shape,
-        patching_metric,
-        max_batch,
-        max_bytes,
-        progress,
-        editing,
-    )
-    return result, index_df
+    return backend, site, tokens, clean, int(heads), editing
 
 
 def _bridge_site(

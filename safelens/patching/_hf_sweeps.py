@@ -1,7 +1,8 @@
 """Patching sweeps on a TransformerBridge or a HuggingFace causal LM, many runs per pass.
 
 The runner of a TransformerBridge and of a plain HuggingFace causal LM
-(`safelens.patching._runners`): the named sweeps, the pattern sweeps and the `*_every`
+(`safelens.patching._runners`): how the runs of every sweep (from the one front-end,
+`safelens.patching._front`) run on these families (`SeamSweep`), and the `*_every`
 bundles' checks. Where each sweep patches, and what
 the clean cache is, is `safelens.patching._hf_sites`' table. The corrupted prompt runs
 once into a frozen [`HFKeyValueCache`][safelens.HFKeyValueCache]. A patch at layer `l`,
@@ -36,7 +37,6 @@ everything else a sweep attaches acts on its own thread only.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,16 +52,17 @@ from ._clean_cache import backend_sizes, check_clean_cache
 from ._engine import Planned, Run, score
 from ._grouping import with_positions_before
 from ._hf_checked import fingerprint, remembered
+from ._hf_generic import generic_inputs
 from ._hf_passes import Editor, Pass, passes
 from ._hf_shortcuts import Shortcuts, captured, tolerance
 from ._hf_sites import _tokens, clean_activation
-from ._limits import _check_limits, rows_within
+from ._limits import Limits, rows_within
 from ._metric import Metric
 from ._pattern_hook import check_pattern_hook
-from ._setters import SweepKeywords
+from ._setters import Setter
 from ._unchanged import idle_runs, seeing
 
-__all__ = ["Editor", "Run", "check_seam_bundle", "run_sweep", "seam_patch", "seam_pattern"]
+__all__ = ["Editor", "Run", "SeamSweep", "check_seam_bundle", "run_sweep", "seam_sweep"]
 
 # Sites a bridge's plain HuggingFace model may run for it (`_on_plain_model`).
 _ON_PLAIN_MODEL = frozenset({"resid_pre", "attn_out", "mlp_out", "k", "v"})
@@ -84,26 +85,52 @@ def _rows_limit(backend: Backend, new: int, length: int, max_bytes: int) -> int:
     )
 
 
-def seam_patch(
-    activation: str,
-    by_pos: bool,
-    with_head: bool,
+@dataclass
+class SeamSweep:
+    """A sweep's checked inputs on a bridge or HuggingFace model, and how its runs run.
+
+    The front-end's `Prepared` (`safelens.patching._front`) on these families: the site,
+    the tokens, each layer's clean tensor at the site, and the heads of a head index;
+    `run` is `run_sweep`'s. With an `editor` (`generic_activation_patch`'s setter,
+    `safelens.patching._hf_generic`) each run runs every position, since its setter may
+    write any.
+    """
+
+    backend: Backend
+    site: Site
+    tokens: torch.Tensor
+    clean: list[torch.Tensor]
+    heads: int
+    editor: Editor | None = None
+
+    @property
+    def n_layers(self) -> int:
+        return self.backend.n_layers
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def run(
+        self, runs: list[Run], shape: tuple[int, ...], metric: Metric, limits: Limits
+    ) -> torch.Tensor:
+        if self.editor is not None:
+            runs = [run._replace(pos=None) for run in runs]
+        inputs = (self.backend, self.site, self.tokens, self.clean)
+        return run_sweep(*inputs, runs, shape, metric, *limits, self.editor)
+
+
+def seam_sweep(
     model: Any,
     corrupted_tokens: torch.Tensor,
     clean_cache: Any,
-    patching_metric: Metric,
-    max_batch: int | None,
-    max_bytes: int,
-    progress: bool,
-    *,
-    by_src: bool = False,
-) -> torch.Tensor:
-    """One `get_act_patch_*` sweep on a TransformerBridge or HuggingFace model (module notes).
-
-    The result is `[layer, pos, head]`, without the axes a sweep does not have; `by_src`
-    (patterns) adds a source position axis after `pos`.
-    """
-    _check_limits(max_batch, max_bytes, progress)
+    activation: str,
+    setter: Setter | None,
+) -> SeamSweep:
+    """The runner's `prepare` on a bridge or HuggingFace model: a named sweep's checked
+    inputs, or with `setter` a generic one's (`safelens.patching._hf_generic`)."""
+    if setter is not None:
+        return SeamSweep(*generic_inputs(model, corrupted_tokens, clean_cache, setter, activation))
     backend = backend_of(model, "patching")
     site = backend.patch_site(activation, clean_cache)
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
@@ -113,20 +140,7 @@ def seam_patch(
         clean_activation(backend, site, clean_cache, layer, batch, length)
         for layer in range(backend.n_layers)
     ]
-    shape = (
-        backend.n_layers,
-        *((length,) if by_pos else ()),
-        *((length,) if by_src else ()),
-        *((site.heads,) if with_head else ()),
-    )
-    runs: list[Run] = []
-    for slot, index in enumerate(itertools.product(*map(range, shape))):
-        pos = index[1] if by_pos else None
-        src = index[2] if by_src else None
-        runs.append(Run(slot, index[0], pos, index[-1] if with_head else None, src))
-    return run_sweep(
-        backend, site, tokens, clean, runs, shape, patching_metric, max_batch, max_bytes, progress
-    )
+    return SeamSweep(backend, site, tokens, clean, site.heads)
 
 
 def check_seam_bundle(
@@ -155,22 +169,6 @@ def check_seam_bundle(
                 f"{bundle} stacks sweeps of {', '.join(activations)}, and cannot sweep "
                 f"{activation!r} here: {error}"
             ) from None
-
-
-def seam_pattern(
-    keywords: SweepKeywords, sweep: str, model: Any, corrupted_tokens: torch.Tensor, *rest: Any
-) -> torch.Tensor:
-    """A pattern sweep (`sweep`, over `keywords`' axes) in TransformerLens' order, head second.
-
-    `rest` is `clean_cache, patching_metric, max_batch, max_bytes, progress`, as
-    `seam_patch` takes them. A bridge whose attention ignores what `hook_pattern`
-    returns is refused first (`safelens.patching._pattern_hook`).
-    """
-    check_pattern_hook(model, corrupted_tokens, sweep)
-    by_pos = "dest_pos" in keywords.index_axis_names
-    by_src = "src_pos" in keywords.index_axis_names
-    swept = seam_patch("pattern", by_pos, True, model, corrupted_tokens, *rest, by_src=by_src)
-    return swept.movedim(-1, 1)
 
 
 def run_sweep(

@@ -32,8 +32,7 @@ from ..core._tokens import check_tokens
 from ._clean_cache import axes_of, check_clean_cache, hooked_sizes, shape_error
 from ._grid import CorruptedRun, Metric, Patcher, Run, sweep
 from ._index import check_setter_result, index_grid
-from ._limits import DEFAULT_MAX_BYTES
-from ._limits import _check_limits as _check_limits
+from ._limits import DEFAULT_MAX_BYTES, Limits
 
 __all__ = ["DEFAULT_MAX_BYTES"]
 
@@ -153,27 +152,16 @@ class _Sweep:
         shape: tuple[int, ...],
         patcher: Patcher,
         metric: Metric,
-        max_batch: int | None,
-        max_bytes: int,
-        progress: bool,
+        limits: Limits,
         single_position: bool = False,
         idle: list[Run] | None = None,
     ) -> torch.Tensor:
         out = torch.zeros(shape, device=self.model.cfg.device)
+        model, corrupted = self.model, self.corrupted
         return sweep(
-            self.model,
-            self.corrupted,
-            runs,
-            self.hook_name,
-            patcher,
-            metric,
-            out,
-            max_batch,
-            max_bytes,
-            progress,
-            single_position,
-            idle,
-        )
+            model, corrupted, runs, self.hook_name, patcher, metric, out, *limits,
+            single_position, idle,
+        )  # fmt: skip
 
 
 def _index_grid(

@@ -11,16 +11,29 @@ process's peak memory.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ..core._arguments import flag, positive_int
 from ..core._errors import PatchingError
 
-__all__ = ["DEFAULT_MAX_BYTES", "rows_within"]
+__all__ = ["DEFAULT_MAX_BYTES", "Limits", "rows_within"]
 
 DEFAULT_MAX_BYTES = 2**30
+
+
+class Limits(NamedTuple):
+    """A sweep's limits, as its caller gave them: check them with `Limits.checked`."""
+
+    max_batch: int | None
+    max_bytes: int
+    progress: bool
+
+    def checked(self) -> Limits:
+        """These limits, or a `PatchingError` naming the one that does not fit."""
+        _check_limits(*self)
+        return self
 
 
 def _with_type(value: Any) -> str:

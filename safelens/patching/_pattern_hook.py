@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..backends._families import backend_of
+from ..backends._families import backend_of, family_of
 from ..core._errors import PatchingError
 from ._hf_sites import _tokens
 
@@ -38,9 +38,9 @@ def check_pattern_hook(model: Any, corrupted_tokens: Any, what: str) -> None:
     few float steps), that layer's attention does not use what the hook returns, or
     never fires it (a bridge that runs HuggingFace's own attention).
     """
-    backend = backend_of(model, what)
-    if backend.family != "bridge":
+    if family_of(model) != "bridge":
         return
+    backend = backend_of(model, what)
     tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")[:1]
     n_layers = backend.n_layers
 

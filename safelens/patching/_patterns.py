@@ -5,17 +5,17 @@ src_pos]` (after the softmax) from the clean run: a head's whole pattern, one ro
 (`dest_pos`), or one entry. Patterns index query heads (`n_heads`), grouped-query
 models included.
 
-Models: on a `HookedTransformer`, TransformerLens builds these sweeps from its pattern
-patch setters on `generic_activation_patch`; so does this module, on
-[`generic_activation_patch`][safelens.generic_activation_patch], with the same setters
-and index grids. A TransformerBridge goes to `safelens.patching._hf_sweeps` (its
-`pattern` site), where a row or entry patch at `dest_pos` runs positions `dest_pos:`
-only, on the corrupted run's cache; so does a plain HuggingFace causal LM, whose
-pattern is patched inside its attention function (`safelens.backends.hf._seams`: the
-layer's attention computed eagerly, the patched pattern applied to the values). This
-module imports
-nothing from TransformerLens until a `HookedTransformer` sweep runs, so it loads on
-TransformerLens 4, which removed `HookedTransformer`.
+Models: every family runs them as one front-end's named sweeps of the `pattern` site
+(`safelens.patching._front.pattern_sweep`: a run per [layer, dest_pos, src_pos, head],
+the axes the sweep has, head moved second), the numbers TransformerLens' pattern
+setters give on its `generic_activation_patch`. On a TransformerBridge, a row or entry
+patch at `dest_pos` runs positions `dest_pos:` only, on the corrupted run's cache
+(`safelens.patching._hf_sweeps`); so does a plain HuggingFace causal LM, whose pattern
+is patched inside its attention function (`safelens.backends.hf._seams`: the layer's
+attention computed eagerly, the patched pattern applied to the values). A call that
+changes one of TransformerLens' keywords is `generic_activation_patch`'s. This module
+imports nothing from TransformerLens until a `HookedTransformer` sweep runs, so it
+loads on TransformerLens 4, which removed `HookedTransformer`.
 
 Caveat: on a `HookedTransformer` a pattern spans every key position, so every patched
 run runs every position (the cost of a plain forward pass each, batched). On a bridge a
@@ -36,10 +36,10 @@ import torch
 from jaxtyping import Float, Int
 
 from ..backends._supported import SupportedModel
+from ._front import pattern_sweep
 from ._generic import generic_activation_patch
-from ._limits import DEFAULT_MAX_BYTES
+from ._limits import DEFAULT_MAX_BYTES, Limits
 from ._metric import Metric
-from ._runners import runner_of
 from ._setters import (
     Setter,
     SweepKeywords,
@@ -74,9 +74,7 @@ def _pattern_sweep(
 
     `given` holds the call's TransformerLens keywords (`patch_setter`, `activation_name`,
     `index_axis_names`, `index_df`, `return_index_df`); other than `keywords`, the call
-    is `generic_activation_patch`'s. On a bridge or HuggingFace model, `seam_patch`'s
-    `[layer, dest_pos, src_pos, head]` (the axes it has) turned to TransformerLens'
-    order, head second.
+    is `generic_activation_patch`'s; else the front-end's pattern sweep (module notes).
     """
     if keywords.differ(*given):
         return generic_activation_patch(
@@ -89,16 +87,14 @@ def _pattern_sweep(
             max_bytes=max_bytes,
             progress=progress,
         )
-    return runner_of(model).pattern(
-        keywords,
+    return pattern_sweep(
+        keywords.index_axis_names,
         sweep,
         model,
         corrupted_tokens,
         clean_cache,
         patching_metric,
-        max_batch,
-        max_bytes,
-        progress,
+        Limits(max_batch, max_bytes, progress),
     )
 
 

@@ -16,6 +16,7 @@ attention patterns and scores), `[batch, head_index, dest_pos, src_pos]` for the
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -35,6 +36,7 @@ __all__ = [
     "make_df_from_ranges",
     "SETTER_AXES",
     "SweepKeywords",
+    "known_setter_axes",
 ]
 
 Setter = Callable[[torch.Tensor, Sequence[int], torch.Tensor], Any]
@@ -120,7 +122,8 @@ def layer_head_dest_src_pos_pattern_patch_setter(
     return corrupted_activation
 
 
-# The activation axes each setter writes at the index after the layer (`_unchanged`).
+# The activation axes each setter writes at the index after the layer, in its order
+# (`safelens.patching._front`: a generic sweep with one of them is a named sweep).
 SETTER_AXES = {
     layer_pos_patch_setter: [1],
     layer_pos_head_vector_patch_setter: [1, 2],
@@ -129,6 +132,19 @@ SETTER_AXES = {
     layer_head_pos_pattern_patch_setter: [1, 2],
     layer_head_dest_src_pos_pattern_patch_setter: [1, 2, 3],
 }
+
+
+def known_setter_axes(patch_setter: Any) -> list[int] | None:
+    """The activation axes a TransformerLens setter writes at the index after the layer.
+
+    Its own (`transformer_lens.patching`'s, when imported) or `safelens.patching`'s of
+    the same name. `None` for any other setter: it may write anything.
+    """
+    theirs = sys.modules.get("transformer_lens.patching")
+    for setter, axes in SETTER_AXES.items():
+        if patch_setter is setter or patch_setter is getattr(theirs, setter.__name__, None):
+            return axes
+    return None
 
 
 class SweepKeywords(NamedTuple):

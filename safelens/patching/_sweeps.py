@@ -51,10 +51,10 @@ from jaxtyping import Int
 
 from ..backends._sites import TL_NAMES
 from ..backends._supported import SupportedModel
+from ._front import named_sweep
 from ._generic import AxisName, PatchSetter, generic_activation_patch
-from ._limits import DEFAULT_MAX_BYTES
+from ._limits import DEFAULT_MAX_BYTES, Limits
 from ._metric import Metric
-from ._runners import runner_of
 from ._setters import (
     SweepKeywords,
     layer_head_vector_patch_setter,
@@ -139,7 +139,8 @@ def _sweep_function(
                 max_bytes=max_bytes,
                 progress=progress,
             )
-        return runner_of(model).patch(
+        limits = Limits(max_batch, max_bytes, progress)
+        return named_sweep(
             activation,
             by_pos,
             with_head,
@@ -147,9 +148,7 @@ def _sweep_function(
             corrupted_tokens,
             clean_cache,
             patching_metric,
-            max_batch=max_batch,
-            max_bytes=max_bytes,
-            progress=progress,
+            limits,
         )
 
     axes = "layer" + (", pos" if by_pos else "") + (", head" if with_head else "")

@@ -11,16 +11,15 @@ the costliest ones (they recompute the most positions).
 
 The test is bitwise, on the tensor the patch would be written into, every row of the
 batch: values equal only after rounding, `-0.0` against `0.0`, and NaN all count as a
-change and run as usual. A generic sweep skips only with one of TransformerLens' own
-setters (or `safelens.patching`'s copies of them), whose writes are known
-(`known_setter_axes`); any other `patch_setter` may write anything. On a bridge or
-HuggingFace model the corrupted run's tensors at the sweep's site are captured as its
-patch hook would see them (`seeing`), and compared there (`idle_runs`).
+change and run as usual. A generic sweep skips only where it runs as a named sweep of
+its index rows (one of TransformerLens' own setters, whose writes are known:
+`safelens.patching._front`); any other `patch_setter` may write anything. The corrupted
+run's tensors at the sweep's site are compared as its patch hook sees them (on a bridge
+or HuggingFace model captured by `seeing`), by `idle_runs`.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -31,9 +30,8 @@ import torch
 from ..backends._backend import Backend
 from ..backends._sites import Site
 from ._hf_sites import site_edits
-from ._setters import SETTER_AXES
 
-__all__ = ["idle_runs", "known_setter_axes", "marked", "seeing", "unchanged"]
+__all__ = ["idle_runs", "marked", "seeing", "unchanged"]
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -68,21 +66,7 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(_BITS[tensor.element_size()])
 
 
-def known_setter_axes(patch_setter: Any) -> list[int] | None:
-    """The activation axes a TransformerLens setter writes at the index after the layer.
-
-    Its own (`transformer_lens.patching`'s, when imported) or `safelens.patching`'s of
-    the same name. `None` for any other setter: it may write anything, so none of its
-    runs is skipped.
-    """
-    theirs = sys.modules.get("transformer_lens.patching")
-    for setter, axes in SETTER_AXES.items():
-        if patch_setter is setter or patch_setter is getattr(theirs, setter.__name__, None):
-            return axes
-    return None
-
-
-# -- TransformerBridge and HuggingFace sweeps (`safelens.patching._hf_sweeps`) -----------
+# -- At a sweep's site: what its patch hooks see (`seeing`), and the runs that change nothing
 
 
 @contextmanager
