@@ -97,6 +97,44 @@ def test_grouped_query_patterns_and_resid_mid_equal_transformer_lens(name: str) 
     torch.testing.assert_close(result, expected, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("name", list(SWEEPS)[1:3])
+@pytest.mark.parametrize("hooked", [False, True])
+def test_pattern_rows_run_from_their_destination_position(
+    name: str, hooked: bool, monkeypatch
+) -> None:
+    """A row (or entry) of a pattern at destination `p` changes the head's output at `p`
+    alone: its run reuses the corrupted run's positions before `p`. Not while a hook of
+    the user's is attached (it may index positions); the numbers are TransformerLens'
+    either way, on a 12-token batch of two, a grouped-query rotary model."""
+    from safelens.patching import _grid
+
+    model, corrupted, clean_cache = setup("rotary-gqa", length=12, batch=2)
+
+    def mean_diff(logits: torch.Tensor) -> torch.Tensor:
+        return (logits[:, -1, 0] - logits[:, -1, 1]).mean()
+
+    expected = getattr(tl_patching, name)(model, corrupted, clean_cache, mean_diff)
+    starts: list[int] = []
+    forward = _grid._forward_chunk
+
+    def spy(model_, corrupted_, pos, chunk, **shortcuts):
+        starts.append(pos)
+        return forward(model_, corrupted_, pos, chunk, **shortcuts)
+
+    monkeypatch.setattr(_grid, "_forward_chunk", spy)
+    seen: list[torch.Size] = []
+    if hooked:
+        model.blocks[1].hook_resid_pre.add_hook(lambda tensor, hook: seen.append(tensor.shape))
+    try:
+        result = SWEEPS[name](model, corrupted, clean_cache, mean_diff, progress=False)
+    finally:
+        model.reset_hooks()
+    torch.testing.assert_close(result, expected, atol=1e-4, rtol=0)
+    assert expected.std() > 0
+    assert set(starts) == ({0} if hooked else {0, 4, 8})
+    assert not hooked or seen
+
+
 def test_a_batch_of_prompts_with_a_scalar_metric_equals_transformer_lens() -> None:
     model, corrupted, clean_cache = setup("rotary", length=5, batch=2)
 

@@ -6,7 +6,7 @@ their patch (`start_at_layer`), several layers in one staggered pass
 (`safelens.patching._grid`).
 Positions before the patch are reused unless a layer attends both ways
 (`cfg.attention_dir`, or a layer's own override), or the patch spans every key
-position. For a metric of the last position, the last layer runs the last query alone
+position (not a by-position sweep's rows of the scores or pattern, `Skips.by_row`). For a metric of the last position, the last layer runs the last query alone
 through safelens' attention path (`attn.hook_q` trimmed) and the MLP the last position
 alone (`hook_resid_mid` trimmed). The single-position shortcut is not taken with dynamic
 NTK rotary (`cfg.use_dynamic_ntk_rope`), whose rotation depends on how many positions a
@@ -77,7 +77,9 @@ class Plan:
         if skips.last_mlp and site != "hook_resid_mid":
             if not (cfg.attn_only or cfg.parallel_attn_mlp):
                 trims.append((prefix + "hook_resid_mid", _last_position))
-        reuses = skips.reuses_positions and causal(model)
+        # A by-position sweep's runs each patch one position (of a pattern: one row).
+        by_row = skips.by_row and single_position
+        reuses = (skips.reuses_positions or by_row) and causal(model)
         single = single_position and reuses and skips.own_position
         single = single and not cfg.use_dynamic_ntk_rope
         return cls(skips.last_only, reuses, single, tuple(trims), shares_inputs=skips.shared_inputs)

@@ -18,8 +18,9 @@ needs only what its metric reads and what its patch can change:
   frozen key/value cache, cropped to them). Not when a layer attends both ways: there
   every run computes every position. Nor for patches of the tensors that span every key
   position (`EVERY_KEY_POSITION`: rotated keys, attention scores and patterns), whose
-  runs start at position 0, except where a pattern's row at destination `p` is patched
-  at `p` alone.
+  runs start at position 0, except where each run patches rows of the scores or the
+  pattern (`ROWS`) at one destination `p`: that changes the head's output at `p`
+  alone, so the run reuses the positions before `p` (`by_row`).
 - *Last position only.* A metric that says it reads only the last position's logits
   (`metric.last_position_only`, as [`logit_diff_metric`][safelens.logit_diff_metric]'s
   does) gets `[rows, 1, d_vocab]`: only that position is unembedded. In the last layer
@@ -58,6 +59,7 @@ __all__ = [
     "BEFORE_RESID_MID",
     "EVERY_KEY_POSITION",
     "INPUTS",
+    "ROWS",
     "Skips",
     "activations",
 ]
@@ -108,6 +110,9 @@ AFTER_INPUTS = (
 )
 # Tensors that hold every key position (the cached ones too), not the new positions.
 EVERY_KEY_POSITION = frozenset({"attn.hook_rot_k", "attn.hook_attn_scores", "attn.hook_pattern"})
+# Those of them laid out by destination row: a patch of rows at destination `p` changes
+# the head's output at `p` alone.
+ROWS = frozenset({"attn.hook_attn_scores", "attn.hook_pattern"})
 
 
 def activations(hooks: Iterable[str]) -> frozenset[str]:
@@ -129,6 +134,7 @@ class Skips:
       `BEFORE_RESID_MID` or the MLP's input).
     - `reuses_positions`: the runs may reuse the corrupted run's positions before their
       patch, in a causal model (not for `EVERY_KEY_POSITION`).
+    - `by_row`: so may runs that each patch rows at one destination position (`ROWS`).
     - `own_position`: a by-position patch changes its own position alone at its layer
       (`AFTER_KEYS`: *single position*, and a last-layer patch at an earlier position
       changes nothing a last-position metric reads).
@@ -142,6 +148,7 @@ class Skips:
     last_queries: bool
     last_mlp: bool
     reuses_positions: bool
+    by_row: bool
     own_position: bool
     shared_inputs: bool
 
@@ -160,6 +167,7 @@ class Skips:
             last_queries=trims and hook in BEFORE_QUERIES,
             last_mlp=trims and hook in BEFORE_RESID_MID | {"hook_resid_mid"},
             reuses_positions=partial and hook not in EVERY_KEY_POSITION,
+            by_row=partial and hook in ROWS,
             own_position=partial and hook in AFTER_KEYS,
             shared_inputs=partial and hook in AFTER_INPUTS,
         )
