@@ -537,7 +537,7 @@ def left_padding_tokenizer(pad: str) -> PreTrainedTokenizerFast:
     )
 
 
-@pytest.mark.parametrize("name", SHORTCUT_SWEEPS)
+@pytest.mark.parametrize("name", [*SHORTCUT_SWEEPS, "get_act_patch_attn_head_pattern_by_pos"])
 @pytest.mark.parametrize(
     ("positional", "pad"), [("standard", "w0"), ("rotary", "w0"), ("rotary", "w2")]
 )
