@@ -198,18 +198,18 @@ class RayWorkers:
         to `max_retries` times (at least once); then a `WorkerError`.
         """
         ray = ray_module()
-        replacements = max(1, self.max_retries)
-        for replaced in range(replacements + 1):
+        tries = max(1, self.max_retries) + 1
+        for attempt in range(tries):
             try:
                 return ray.get(self.actors[0].run.remote(function, *arguments))
             except ray.exceptions.RayActorError as error:
-                if replaced == replacements:
-                    raise WorkerError(
-                        f"the first worker died on every one of {replaced + 1} tries to run "
-                        f"{getattr(function, '__name__', function)!r}: {error}"
-                    ) from error
-                self.replace(0)
-        raise AssertionError("unreachable")  # pragma: no cover: the loop returns or raises
+                died = error
+                if attempt + 1 < tries:
+                    self.replace(0)
+        raise WorkerError(
+            f"the first worker died on every one of {tries} tries to run "
+            f"{getattr(function, '__name__', function)!r}: {died}"
+        ) from died
 
     def run(
         self,

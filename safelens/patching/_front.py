@@ -46,10 +46,10 @@ class Prepared(Protocol):
     - `n_layers`, `length`: the model's layers and the prompt's positions;
     - `heads`: the heads of a head index of the sweep's activation (key/value heads for
       keys and values, query heads otherwise);
-    - `run(runs, shape, metric, limits)`: a `shape` result, each
-      run's metric at its slot. Each run writes the clean activation at its position,
-      source position and head (every entry of an axis it does not have), or, prepared
-      with a setter, whatever `setter(activation, list(run.cell), clean)` writes.
+    - `run(runs, shape, metric, limits)`: a `shape` result, each run's metric at its
+      slot. Each run writes the clean activation at its position, source position and
+      head (every entry of an axis it does not have), or, prepared with a setter,
+      whatever `setter(activation, list(run.cell), clean)` writes.
     """
 
     @property
