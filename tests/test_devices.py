@@ -20,7 +20,7 @@ from split_models import N_LAYERS, cache_devices, experiments, split_llama, unsp
 import safelens
 from safelens.backends._families import backend_of
 from safelens.backends.hf._sites import layer_device
-from safelens.patching._hf_sites import clean_activation
+from safelens.patching._clean_cache import clean_activation
 
 NEEDS_CUDA = pytest.mark.skipif(
     not torch.cuda.is_available(),

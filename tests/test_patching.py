@@ -978,3 +978,20 @@ def test_a_blocks_ln1_is_computed_once_per_tensor_it_is_handed() -> None:
     assert len(calls) == 5
     once(own, x=x)  # not one positional tensor: its own forward
     assert len(calls) == 6
+
+
+def test_a_sweep_takes_every_id_the_model_embeds() -> None:
+    # cfg.d_vocab_out < cfg.d_vocab: corrupted tokens are bounded by the embedding, not the
+    # logits' width, and the sweep equals TransformerLens' own.
+    cfg = HookedTransformerConfig(
+        n_layers=2, d_model=32, n_ctx=32, d_head=8, d_vocab=30, d_vocab_out=10, act_fn="gelu"
+    )
+    model = HookedTransformer(cfg).eval()
+    clean, corrupted = torch.tensor([[1, 25, 3, 29]]), torch.tensor([[1, 27, 3, 12]])
+    _, clean_cache = model.run_with_cache(clean)
+    metric = lambda logits: logits[:, -1, 3]  # noqa: E731
+    got = safelens.get_act_patch_resid_pre(model, corrupted, clean_cache, metric, progress=False)
+    expected = tl_patching.get_act_patch_resid_pre(model, corrupted, clean_cache, metric)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(TokenError, match=r"token id 30 .*d_vocab=30"):
+        safelens.get_act_patch_resid_pre(model, clean + 5, clean_cache, metric, progress=False)

@@ -596,3 +596,26 @@ def test_a_model_whose_attention_reads_later_positions_is_refused() -> None:
             prefill(model, tokens(1, 5))
         with pytest.raises(CacheConfigError, match=r"score_continuations: .*reads later"):
             score_continuations(model, causal_prefix, [[1, 2]])
+
+
+def test_token_ids_are_bounded_by_the_embedding_and_scored_ids_by_the_logits() -> None:
+    # An output vocabulary narrower than the input one (cfg.d_vocab_out < cfg.d_vocab): a
+    # prompt may hold every id the model embeds; a continuation, which is also scored,
+    # only ids the logits have.
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    cfg = HookedTransformerConfig(
+        n_layers=2, d_model=32, n_ctx=32, d_head=8, d_vocab=30, d_vocab_out=10, act_fn="gelu"
+    )
+    model = HookedTransformer(cfg).eval()
+    prompt = torch.tensor([1, 25, 3, 29])
+    prefix = prefill(model, prompt)
+    torch.testing.assert_close(prefix.last_logits[0], model(prompt[None])[0, -1])
+    scores = score_continuations(model, prefix, [[4, 7], [9]])
+    for continuation, got in zip([[4, 7], [9]], scores.per_continuation(), strict=True):
+        expected = reference_log_probs(model, prompt, torch.tensor(continuation))
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(TokenError, match=r"token id 30 .*d_vocab=30"):
+        prefill(model, torch.tensor([1, 30]))
+    with pytest.raises(TokenError, match=r"token id 25 .*d_vocab=10"):
+        score_continuations(model, prefix, [[4, 25]])

@@ -58,7 +58,9 @@ class Backend(ABC):
 
     **Sizes** (instance attributes): `n_layers`, `d_vocab` (width of the logits),
     `n_ctx` (longest sequence the model takes, `None` when unbounded), `d_model`,
-    `n_kv_heads`, `d_head`, `device` and `dtype` (of the cache the model writes).
+    `n_kv_heads`, `d_head`, `device` and `dtype` (of the cache the model writes);
+    `n_token_ids` (the token ids the model embeds) and `layer_device(layer)` (where a
+    layer computes) where a family's differ from `d_vocab` and `device`.
 
     **Contract of a forward pass** ([`forward`][safelens.backends._backend.Backend.forward]):
     new tokens `[batch, new_tokens]` go through `cache`, which holds `past` positions;
@@ -112,6 +114,15 @@ class Backend(ABC):
 
     def __init__(self, model: Any) -> None:
         self.model = model
+
+    @property
+    def n_token_ids(self) -> int:
+        """Token ids the model embeds, `[0, n_token_ids)`: `d_vocab`, unless its inputs differ."""
+        return self.d_vocab
+
+    def layer_device(self, layer: int) -> torch.device:
+        """The device layer `layer` computes on (a model spread over devices): `device` here."""
+        return self.device
 
     @abstractmethod
     def check_model(self, what: str) -> None:

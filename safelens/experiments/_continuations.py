@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -68,7 +69,10 @@ class ContinuationScores:
 
 
 def continuation_rows(continuations: Any, limits: Any, past: int) -> list[torch.Tensor]:
-    """Each continuation as 1-D token ids, checked against `limits` after `past` positions."""
+    """Each continuation as 1-D token ids, checked against `limits` (`token_limits`) after
+    `past` positions: ids the model embeds and its logits score."""
+    d_vocab = min(limits.d_vocab, limits.d_logits)
+    limits = SimpleNamespace(d_vocab=d_vocab, n_ctx=limits.n_ctx)
     if isinstance(continuations, torch.Tensor):
         if continuations.dim() != 2:
             raise TokenError(

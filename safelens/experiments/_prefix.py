@@ -46,8 +46,13 @@ __all__ = ["Prefix", "check_prefix", "prefill", "runner_of", "token_limits"]
 
 
 def token_limits(backend: Backend) -> SimpleNamespace:
-    """What `check_tokens` bounds token ids by: the backend's `d_vocab` and `n_ctx`."""
-    return SimpleNamespace(d_vocab=backend.d_vocab, n_ctx=backend.n_ctx)
+    """What `check_tokens` bounds token ids by: the ids the model embeds, and `n_ctx`.
+
+    `d_logits` is the width of the logits, which bounds the ids a continuation scores.
+    """
+    return SimpleNamespace(
+        d_vocab=backend.n_token_ids, n_ctx=backend.n_ctx, d_logits=backend.d_vocab
+    )
 
 
 @dataclass(frozen=True, repr=False)

@@ -37,7 +37,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import pandas as pd
 import torch
 from jaxtyping import Float, Int
 
@@ -49,13 +48,18 @@ from ..core._errors import PatchingError
 from ..core._repr import summary_repr
 from ._attribution_pass import Reads, corrupted_pass
 from ._attribution_plan import FIXED, HEAD_SITES, Activation, Plan, plan
-from ._clean_cache import axes_of, backend_sizes, check_clean_cache, shape_error
-from ._generic import generic_activation_patch
-from ._hf_sites import _tokens, clean_activation
-from ._hf_sweeps import Run, run_sweep
-from ._limits import DEFAULT_MAX_BYTES, _check_limits
+from ._clean_cache import (
+    axes_of,
+    backend_sizes,
+    check_clean_cache,
+    shape_error,
+    sweep_tokens,
+)
+from ._engine import Run
+from ._limits import DEFAULT_MAX_BYTES, Limits, _check_limits
 from ._metric import Metric, check_metric
 from ._qk_fix import key_effects, query_effects, scores_function
+from ._runners import prepare_of
 
 if TYPE_CHECKING:
     from transformer_lens import ActivationCache
@@ -239,7 +243,7 @@ def attribution_patch(
         positive_int(verify_top_k, "verify_top_k", error=PatchingError, shown=repr)
     _check_limits(max_batch, max_bytes, progress)
     backend = backend_of(model, "attribution_patch")
-    tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
+    tokens = sweep_tokens(backend, corrupted_tokens, "corrupted_tokens")
     check_clean_cache(clean_cache, backend_sizes(backend), backend.clean_cache_call)
     check_metric(patching_metric)
     chosen = plan(model, activations, qk_fix, clean_cache, tokens)
@@ -270,17 +274,6 @@ def attribution_patch(
     return AttributionResult(baseline, estimates, exact)
 
 
-# TransformerLens' setter and index columns of each kind of grid, on a HookedTransformer.
-_SETTERS = {
-    "head": ("layer_pos_head_vector_patch_setter", ["layer", "pos", "head_index"]),
-    "pattern": (
-        "layer_head_dest_src_pos_pattern_patch_setter",
-        ["layer", "head_index", "dest_pos", "src_pos"],
-    ),
-    "node": ("layer_pos_patch_setter", ["layer", "pos"]),
-}
-
-
 def verify(
     plan: Plan,
     name: str,
@@ -292,33 +285,13 @@ def verify(
     max_bytes: int,
     progress: bool,
 ) -> Float[torch.Tensor, " cells"]:
-    """The exact sweep's value of each cell (grid index) of `name`'s grid, many per pass."""
-    kind = "head" if name in HEAD_SITES else "pattern" if name == "pattern" else "node"
-    backend = plan.backend
-    if backend.family == "hooked":
-        import transformer_lens.patching as tl_patching
+    """The exact sweep's value of each cell (grid index) of `name`'s grid, many per pass.
 
-        setter, columns = _SETTERS[kind]
-        values = generic_activation_patch(
-            backend.model,
-            tokens,
-            clean_cache,
-            metric,
-            getattr(tl_patching, setter),
-            name,
-            index_df=pd.DataFrame(cells, columns=columns),
-            max_batch=max_batch,
-            max_bytes=max_bytes,
-            progress=progress,
-        )
-        assert isinstance(values, torch.Tensor)
-        return values
-    site = backend.patch_site(name, clean_cache)
-    batch, length = tokens.shape
-    clean = [
-        clean_activation(backend, site, clean_cache, layer, batch, length)
-        for layer in range(backend.n_layers)
-    ]
+    Each cell is the named sweep's run there (`[layer, pos, head]` of a head grid,
+    `[layer, head, dest_pos, src_pos]` of the pattern's, `[layer, pos]` of a node's),
+    run by the family's `prepare` (`safelens.patching._runners`), as the sweeps run.
+    """
+    kind = "head" if name in HEAD_SITES else "pattern" if name == "pattern" else "node"
     runs = [
         Run(slot, cell[0], cell[1], cell[2])
         if kind == "head"
@@ -327,6 +300,6 @@ def verify(
         else Run(slot, cell[0], cell[1])
         for slot, cell in enumerate(cells)
     ]
-    return run_sweep(
-        backend, site, tokens, clean, runs, (len(runs),), metric, max_batch, max_bytes, progress
-    )
+    model = plan.backend.model
+    prepared = prepare_of(model)(model, tokens, clean_cache, name, None)
+    return prepared.run(runs, (len(runs),), metric, Limits(max_batch, max_bytes, progress))

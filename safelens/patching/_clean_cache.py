@@ -10,6 +10,10 @@ activation of the wrong shape, which size differs and what that means: another p
 length (pad clean and corrupted prompts to one length), another batch, or another model
 (its `d_model`, heads or `d_head`).
 
+`clean_activation` reads one layer's clean tensor at a sweep's site (`Backend.patch_site`)
+and checks it against the prompt, on every family; `sweep_tokens` checks the corrupted
+tokens against the model (the ids it embeds, its context).
+
 Caveat: a cache of a model with the same sizes cannot be told apart from this model's:
 only sizes are checked, not where the activations came from.
 """
@@ -19,16 +23,22 @@ from __future__ import annotations
 import re
 from typing import Any, NamedTuple
 
+import torch
+
 from ..backends._backend import Backend
+from ..backends._sites import PATTERNS, Site, tl_heads
 from ..core._errors import PatchingError
+from ..core._tokens import check_tokens
+from ..experiments._prefix import token_limits
 
 __all__ = [
     "ModelSizes",
     "axes_of",
     "backend_sizes",
     "check_clean_cache",
-    "hooked_sizes",
+    "clean_activation",
     "shape_error",
+    "sweep_tokens",
 ]
 
 # The axes after `batch` of the activations a clean cache holds, by the hook name after
@@ -69,18 +79,9 @@ class ModelSizes(NamedTuple):
     d_head: int
 
 
-def hooked_sizes(cfg: Any) -> ModelSizes:
-    """The sizes of a `HookedTransformer` of config `cfg`."""
-    grouped = cfg.n_key_value_heads and not cfg.ungroup_grouped_query_attention
-    n_kv_heads = cfg.n_key_value_heads if grouped else cfg.n_heads
-    return ModelSizes(cfg.n_layers, cfg.d_model, cfg.n_heads, n_kv_heads, cfg.d_head)
-
-
 def backend_sizes(backend: Backend) -> ModelSizes:
-    """The sizes of `backend`'s model."""
-    if backend.family == "hooked":
-        return hooked_sizes(backend.model.cfg)
-    n_heads = int(backend.config.num_attention_heads)  # type: ignore[attr-defined]
+    """The sizes of `backend`'s model: query heads as `tl_heads` counts them."""
+    n_heads = tl_heads(backend, "q")
     return ModelSizes(
         backend.n_layers, backend.d_model, n_heads, backend.n_kv_heads, backend.d_head
     )
@@ -214,3 +215,59 @@ def shape_error(
         f"{start}: the clean cache has batch {shape[0]}; pass a clean cache of batch "
         f"{rows if batch > 1 else 1}"
     )
+
+
+def clean_activation(
+    backend: Backend, site: Site, clean_cache: Any, layer: int, batch: int, length: int
+) -> torch.Tensor:
+    """The clean activation of `site` at `layer`, checked, in the hook's layout, `batch` rows."""
+    name = site.clean(layer)
+    how = backend.clean_cache_call
+    try:
+        clean = clean_cache[name]
+    except (KeyError, TypeError):
+        raise PatchingError(
+            f"clean_cache has no activation {name!r}; pass the clean cache of {how}, "
+            "without a names_filter that leaves it out"
+        ) from None
+    if not isinstance(clean, torch.Tensor):
+        raise PatchingError(f"clean_cache[{name!r}] is a {type(clean).__name__}, not a tensor")
+    if not clean.is_floating_point():
+        raise PatchingError(
+            f"clean_cache[{name!r}] holds {clean.dtype}; expected the clean run's "
+            f"floating-point activations, as {how} gives them"
+        )
+    heads = "n_kv_heads" if site.activation in ("k", "v") else "n_heads"
+    expected: tuple[int, ...]
+    axes: tuple[str, ...]
+    if site.activation in PATTERNS:
+        expected, axes = (site.heads, length, length), ("n_heads", "pos", "pos")
+    elif site.pos_axis == 2:
+        expected, axes = (site.heads, length, backend.d_head), (heads, "pos", "d_head")
+    elif site.heads:
+        expected, axes = (length, site.heads, backend.d_head), ("pos", heads, "d_head")
+    else:
+        expected, axes = (length, backend.d_model), ("pos", "d_model")
+    # The clean tensor's own layout: a position-major one (`transposed`) swaps axes 1, 2.
+    stored, stored_axes = expected, axes
+    if site.transposed:
+        stored, stored_axes = (
+            (expected[1], expected[0], *expected[2:]),
+            (axes[1], axes[0], *axes[2:]),
+        )
+    if (
+        clean.dim() != 1 + len(expected)
+        or clean.shape[0] not in (1, batch)
+        or tuple(clean.shape[1:]) != stored
+    ):
+        raise shape_error(name, tuple(clean.shape), stored, batch, stored_axes, how)
+    if site.transposed:
+        clean = clean.transpose(1, 2)
+    return clean.to(backend.layer_device(layer)).expand(batch, *expected)
+
+
+def sweep_tokens(backend: Backend, tokens: Any, what: str) -> torch.Tensor:
+    """`tokens` checked as `[batch, pos]` token ids of `backend`'s model, on its device."""
+    if isinstance(tokens, torch.Tensor) and tokens.dim() == 1:
+        tokens = tokens[None]
+    return check_tokens(tokens, token_limits(backend), what).to(backend.device)

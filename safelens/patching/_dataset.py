@@ -48,7 +48,7 @@ from ..experiments._prefix import token_limits
 from ._dataset_chunks import PairMetric, pairs_per_chunk, patched_chunk
 from ._limits import DEFAULT_MAX_BYTES
 from ._metric import check_metric
-from ._runners import runner_of
+from ._runners import sweep_backend
 
 __all__ = [
     "PatchingResult",
@@ -88,7 +88,7 @@ class PatchingResult:
 
 def dataset_backend(model: Any) -> Backend:
     """`model`'s adapter (sizes, device, family), or a `PatchingError` naming what arrived."""
-    return runner_of(model).backend(model)
+    return sweep_backend(model, "patch_dataset")
 
 
 def check_options(

@@ -29,7 +29,7 @@ does not use `hook_pattern` (see `safelens.patching._pattern_hook`), and the cle
 is `bridge.run_with_cache`'s; on a HuggingFace model it is
 [`run_with_patching_cache`][safelens.run_with_patching_cache]'s. Whatever the model, the
 clean cache is checked for every activation the bundle patches before its first sweep
-runs (the runner's `check_bundle`). This module imports nothing from TransformerLens, so
+runs (`safelens.patching._front.check_bundle`). This module imports nothing from TransformerLens, so
 it loads on TransformerLens 4.
 """
 
@@ -42,11 +42,11 @@ import torch
 from jaxtyping import Float, Int
 
 from ..backends._supported import SupportedModel
+from ._front import check_bundle
 from ._patterns import (
     get_act_patch_attn_head_pattern_all_pos,
     get_act_patch_attn_head_pattern_by_pos,
 )
-from ._runners import runner_of
 from ._sweeps import (
     DEFAULT_MAX_BYTES,
     Metric,
@@ -87,7 +87,7 @@ def _stack(
     # Before any sweep runs: what the first sweep would not see (the last sweeps' sites
     # and clean activations). Other inputs are checked by the first sweep, before it runs.
     activations = [name for _, name in sweeps]
-    runner_of(model).check_bundle(model, corrupted_tokens, clean_cache, activations, bundle)
+    check_bundle(model, corrupted_tokens, clean_cache, activations, bundle)
     results: list[torch.Tensor] = []
     for sweep, _ in sweeps:
         result = sweep(

@@ -10,9 +10,11 @@ one of TransformerLens' setters, on an activation of the named sweeps, whose ind
 columns name the axes the setter writes, is the named sweep of its index rows: each row
 is the run at that cell, and the sweep takes every shortcut a named sweep takes (patches
 that change nothing, positions before the patch). The axes' sizes come from the model:
-the family's runner (`safelens.patching._runners`) checks the model, tokens, clean cache
-and activation (`prepare`) and gives a `Prepared` sweep, which runs the runs on the
-family's passes and returns the metric of each at its slot.
+the family's `prepare` (`safelens.patching._runners.prepare_of`) checks the model,
+tokens, clean cache and activation and gives a `Prepared` sweep, which runs the runs on
+the family's passes and returns the metric of each at its slot. `check_bundle` checks,
+before a `*_every` bundle's first sweep, what its later sweeps need, against the
+adapter protocol alone.
 
 Checks, in order: the model's family, the limits (`max_batch`, `max_bytes`,
 `progress`), a generic sweep's choice of index, then what the family's `prepare` checks,
@@ -29,15 +31,16 @@ import torch
 
 from ..backends._sites import PATTERNS, QUERY_HEADS, TL_NAMES
 from ..core._errors import PatchingError
+from ._clean_cache import backend_sizes, check_clean_cache, clean_activation, sweep_tokens
 from ._engine import Run
 from ._index import check_index_choice, grid, index_grid
 from ._limits import Limits
 from ._metric import Metric
 from ._pattern_hook import check_pattern_hook
-from ._runners import runner_of
+from ._runners import prepare_of, sweep_backend
 from ._setters import Setter, known_setter_axes
 
-__all__ = ["Prepared", "generic_sweep", "named_sweep", "pattern_sweep"]
+__all__ = ["Prepared", "check_bundle", "generic_sweep", "named_sweep", "pattern_sweep"]
 
 
 class Prepared(Protocol):
@@ -93,9 +96,9 @@ def named_sweep(
     one, one source position of a pattern (`by_src`) or every one, one head
     (`with_head`) or every one.
     """
-    runner = runner_of(model)
+    prepare = prepare_of(model)
     limits = limits.checked()
-    prepared = runner.prepare(model, corrupted_tokens, clean_cache, activation, None)
+    prepared = prepare(model, corrupted_tokens, clean_cache, activation, None)
     length = prepared.length
     shape = (
         prepared.n_layers,
@@ -121,7 +124,7 @@ def pattern_sweep(
     A bridge whose attention ignores what `hook_pattern` returns is refused first,
     naming `what` (`safelens.patching._pattern_hook`).
     """
-    runner_of(model)
+    prepare_of(model)
     check_pattern_hook(model, corrupted_tokens, what)
     by_pos, by_src = "dest_pos" in index_axis_names, "src_pos" in index_axis_names
     arguments = (model, corrupted_tokens, clean_cache, patching_metric, limits, by_src)
@@ -171,7 +174,7 @@ def generic_sweep(
     limits: Limits,
 ) -> tuple[torch.Tensor, pd.DataFrame]:
     """`generic_activation_patch`: its result and index rows (`safelens.patching._generic`)."""
-    runner = runner_of(model)
+    prepare = prepare_of(model)
     limits = limits.checked()
     check_index_choice(index_axis_names, index_df)
     named = index_axis_names if index_df is None else index_df.columns
@@ -182,13 +185,11 @@ def generic_sweep(
         if activation_name == "pattern":  # as the pattern sweeps (the setters' own is later)
             check_pattern_hook(model, corrupted_tokens, "generic_activation_patch")
         try:
-            prepared = runner.prepare(model, corrupted_tokens, clean_cache, activation_name, None)
+            prepared = prepare(model, corrupted_tokens, clean_cache, activation_name, None)
         except PatchingError:  # no such named site here (a bridge's own hook point may be)
             fields = None
     if prepared is None:
-        prepared = runner.prepare(
-            model, corrupted_tokens, clean_cache, activation_name, patch_setter
-        )
+        prepared = prepare(model, corrupted_tokens, clean_cache, activation_name, patch_setter)
     length, heads = prepared.length, prepared.heads
     sizes = {"layer": prepared.n_layers, "pos": length, "src_pos": length, "dest_pos": length}
     sizes |= {"head_index": heads, "head": heads}
@@ -208,3 +209,31 @@ def generic_sweep(
             runs.append(Run(slot, cell[0], pos, cell=cell))
     result = prepared.run(runs, shape, patching_metric, limits)
     return result, index_df
+
+
+def check_bundle(
+    model: Any, corrupted_tokens: Any, clean_cache: Any, activations: Sequence[str], bundle: str
+) -> None:
+    """A `PatchingError`, before a `*_every` `bundle`'s first sweep, for what a later one lacks.
+
+    Each activation must have a site on the model (`Backend.patch_site`, which says why
+    a family lacks one) and its clean tensor of every layer in `clean_cache`, checked
+    as the sweep checks it; the pattern's last, as its probe pass (why a bridge may not
+    have it) runs after the checks that need no forward pass.
+    """
+    backend = sweep_backend(model, bundle)
+    tokens = sweep_tokens(backend, corrupted_tokens, "corrupted_tokens")
+    check_clean_cache(clean_cache, backend_sizes(backend), backend.clean_cache_call)
+    for activation in sorted(activations, key=lambda activation: activation == "pattern"):
+        if activation == "pattern":
+            check_pattern_hook(model, tokens, bundle)
+        try:
+            site = backend.patch_site(activation, clean_cache)
+            for layer in range(backend.n_layers):
+                site.hook(layer)
+                clean_activation(backend, site, clean_cache, layer, *tokens.shape)
+        except PatchingError as error:
+            raise PatchingError(
+                f"{bundle} stacks sweeps of {', '.join(activations)}, and cannot sweep "
+                f"{activation!r} here: {error}"
+            ) from None

@@ -36,9 +36,15 @@ from ..backends._families import backend_of
 from ..backends._sites import TL_NAMES, Site
 from ..backends.bridge._backend import BridgeBackend
 from ..core._errors import PatchingError
-from ._clean_cache import axes_of, backend_sizes, check_clean_cache, shape_error
+from ._clean_cache import (
+    axes_of,
+    backend_sizes,
+    check_clean_cache,
+    clean_activation,
+    shape_error,
+    sweep_tokens,
+)
 from ._hf_passes import Editor
-from ._hf_sites import _tokens, clean_activation
 from ._index import check_setter_result
 from ._pattern_hook import check_pattern_hook
 
@@ -61,7 +67,7 @@ def generic_inputs(
     the editor that runs `patch_setter` on each run's rows.
     """
     backend = backend_of(model, "generic_activation_patch")
-    tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
+    tokens = sweep_tokens(backend, corrupted_tokens, "corrupted_tokens")
     check_clean_cache(clean_cache, backend_sizes(backend), backend.clean_cache_call)
     batch, length = tokens.shape
     if backend.family == "bridge":

@@ -4,39 +4,33 @@ The sites themselves are the backends' (`Backend.patch_site`: a HuggingFace mode
 in `safelens.backends.hf._sites`, a bridge's in `safelens.backends.bridge._sites`).
 Here: how a sweep reaches them.
 
-`clean_activation` checks a site's clean tensor against the prompt; `site_edits` puts a
-pass's edits at the seams of a HuggingFace model (`safelens.patching._engine.put`
-writes the clean values).
+`site_edits` puts a pass's edits at the seams of a HuggingFace model
+(`safelens.patching._engine.put` writes the clean values); `run_with_patching_cache`
+makes a HuggingFace model's clean cache. A site's clean tensor is checked against the
+prompt by `safelens.patching._clean_cache.clean_activation`, on every family.
 
 On a bridge the clean cache is `bridge.run_with_cache(clean_tokens)`'s
 `ActivationCache`; on a HuggingFace model it is the dict
 [`run_with_patching_cache`][safelens.run_with_patching_cache] returns.
-
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from ..backends._backend import Backend, NamesFilter
 from ..backends._families import backend_of
-from ..backends._sites import PATTERNS, TL_NAMES, Site
+from ..backends._sites import TL_NAMES
 from ..backends.hf._seams import Edit, seam_edits
-from ..backends.hf._sites import decoder_layers, layer_device
+from ..backends.hf._sites import decoder_layers
 from ..core._errors import PatchingError
-from ..core._tokens import check_tokens
-from ._clean_cache import shape_error
+from ._clean_cache import sweep_tokens
 
-__all__ = [
-    "clean_activation",
-    "run_with_patching_cache",
-    "site_edits",
-]
+__all__ = ["run_with_patching_cache", "site_edits"]
 
 
 @contextmanager
@@ -52,54 +46,6 @@ def site_edits(backend: Backend, edits: Mapping[str, Mapping[int, Edit]]) -> Ite
     _, layers = decoder_layers(backend.model, backend.n_layers)
     with seam_edits(layers, backend.config, edits):  # type: ignore[attr-defined]
         yield
-
-
-def clean_activation(
-    backend: Backend, site: Site, clean_cache: Any, layer: int, batch: int, length: int
-) -> torch.Tensor:
-    """The clean activation of `site` at `layer`, checked, in the hook's layout, `batch` rows."""
-    name = site.clean(layer)
-    how = backend.clean_cache_call
-    try:
-        clean = clean_cache[name]
-    except (KeyError, TypeError):
-        raise PatchingError(
-            f"clean_cache has no activation {name!r}; pass the clean cache of {how}"
-        ) from None
-    if not isinstance(clean, torch.Tensor):
-        raise PatchingError(f"clean_cache[{name!r}] is a {type(clean).__name__}, not a tensor")
-    if not clean.is_floating_point():
-        raise PatchingError(
-            f"clean_cache[{name!r}] holds {clean.dtype}; expected the clean run's "
-            f"floating-point activations, as {how} gives them"
-        )
-    heads = "n_kv_heads" if site.activation in ("k", "v") else "n_heads"
-    expected: tuple[int, ...]
-    axes: tuple[str, ...]
-    if site.activation in PATTERNS:
-        expected, axes = (site.heads, length, length), ("n_heads", "pos", "pos")
-    elif site.pos_axis == 2:
-        expected, axes = (site.heads, length, backend.d_head), (heads, "pos", "d_head")
-    elif site.heads:
-        expected, axes = (length, site.heads, backend.d_head), ("pos", heads, "d_head")
-    else:
-        expected, axes = (length, backend.d_model), ("pos", "d_model")
-    # The clean tensor's own layout: a position-major one (`transposed`) swaps axes 1, 2.
-    stored, stored_axes = expected, axes
-    if site.transposed:
-        stored, stored_axes = (
-            (expected[1], expected[0], *expected[2:]),
-            (axes[1], axes[0], *axes[2:]),
-        )
-    if (
-        clean.dim() != 1 + len(expected)
-        or clean.shape[0] not in (1, batch)
-        or tuple(clean.shape[1:]) != stored
-    ):
-        raise shape_error(name, tuple(clean.shape), stored, batch, stored_axes, how)
-    if site.transposed:
-        clean = clean.transpose(1, 2)
-    return clean.to(layer_device(backend, layer)).expand(batch, *expected)
 
 
 def run_with_patching_cache(
@@ -159,7 +105,7 @@ def run_with_patching_cache(
             f"{type(model).__name__}; on a TransformerBridge the clean cache is "
             "bridge.run_with_cache(clean_tokens)[1]"
         )
-    tokens = _tokens(backend, tokens, "tokens")
+    tokens = sweep_tokens(backend, tokens, "tokens")
     wanted = _names_filter(names_filter)
     captured: dict[str, torch.Tensor] = {}
 
@@ -206,11 +152,3 @@ def _names_filter(names: NamesFilter | None) -> Callable[[str], bool]:
             f"got {names!r}"
         )
     return listed.__contains__
-
-
-def _tokens(backend: Backend, tokens: Any, what: str) -> torch.Tensor:
-    """`tokens` checked as `[batch, pos]` token ids of `backend`'s model, on its device."""
-    if isinstance(tokens, torch.Tensor) and tokens.dim() == 1:
-        tokens = tokens[None]
-    limits = SimpleNamespace(d_vocab=backend.d_vocab, n_ctx=backend.n_ctx)
-    return check_tokens(tokens, limits, what).to(backend.device)

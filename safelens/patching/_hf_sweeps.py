@@ -2,9 +2,9 @@
 
 The runner of a TransformerBridge and of a plain HuggingFace causal LM
 (`safelens.patching._runners`): how the runs of every sweep (from the one front-end,
-`safelens.patching._front`) run on these families (`SeamSweep`), and the `*_every`
-bundles' checks. Where each sweep patches, and what
-the clean cache is, is `safelens.patching._hf_sites`' table. The corrupted prompt runs
+`safelens.patching._front`) run on these families (`SeamSweep`). Where each sweep
+patches is the adapter's (`Backend.patch_site`); its clean tensors are checked by
+`safelens.patching._clean_cache`. The corrupted prompt runs
 once into a frozen [`HFKeyValueCache`][safelens.HFKeyValueCache]. A patch at layer `l`,
 position `p` (an attention pattern's destination position: the row it patches spans
 every source position, the keys of positions before `p` included, and changes the head's
@@ -37,7 +37,6 @@ everything else a sweep attaches acts on its own thread only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,21 +47,19 @@ from ..backends._families import backend_of
 from ..backends._sites import Site
 from ..core._errors import PatchingError
 from ..core._thread_hooks import hooked_anywhere
-from ._clean_cache import backend_sizes, check_clean_cache
+from ._clean_cache import backend_sizes, check_clean_cache, clean_activation, sweep_tokens
 from ._engine import Planned, Run, score
 from ._grouping import with_positions_before
 from ._hf_checked import fingerprint, remembered
 from ._hf_generic import generic_inputs
 from ._hf_passes import Editor, Pass, passes
 from ._hf_shortcuts import Shortcuts, captured, tolerance
-from ._hf_sites import _tokens, clean_activation
 from ._limits import Limits, rows_within
 from ._metric import Metric
-from ._pattern_hook import check_pattern_hook
 from ._setters import Setter
 from ._unchanged import idle_runs, seeing
 
-__all__ = ["Editor", "Run", "SeamSweep", "check_seam_bundle", "run_sweep", "seam_sweep"]
+__all__ = ["Editor", "Run", "SeamSweep", "run_sweep", "seam_sweep"]
 
 # Sites a bridge's plain HuggingFace model may run for it (`_on_plain_model`).
 _ON_PLAIN_MODEL = frozenset({"resid_pre", "attn_out", "mlp_out", "k", "v"})
@@ -133,7 +130,7 @@ def seam_sweep(
         return SeamSweep(*generic_inputs(model, corrupted_tokens, clean_cache, setter, activation))
     backend = backend_of(model, "patching")
     site = backend.patch_site(activation, clean_cache)
-    tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
+    tokens = sweep_tokens(backend, corrupted_tokens, "corrupted_tokens")
     check_clean_cache(clean_cache, backend_sizes(backend), backend.clean_cache_call)
     batch, length = tokens.shape
     clean = [
@@ -141,34 +138,6 @@ def seam_sweep(
         for layer in range(backend.n_layers)
     ]
     return SeamSweep(backend, site, tokens, clean, site.heads)
-
-
-def check_seam_bundle(
-    model: Any, corrupted_tokens: Any, clean_cache: Any, activations: Sequence[str], bundle: str
-) -> None:
-    """A `PatchingError` for a sweep of a `*_every` `bundle` that cannot run on this bridge or HF model.
-
-    Each activation must have a site on the model and its clean tensor of every layer
-    (checked as the sweep checks it) in `clean_cache`.
-    """
-    backend = backend_of(model, bundle)
-    tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")
-    check_clean_cache(clean_cache, backend_sizes(backend), backend.clean_cache_call)
-    # The pattern last: its probe pass (which says why a bridge may not have it) after
-    # the checks that need no forward pass.
-    for activation in sorted(activations, key=lambda activation: activation == "pattern"):
-        if activation == "pattern":
-            check_pattern_hook(model, tokens, bundle)
-        try:
-            site = backend.patch_site(activation, clean_cache)
-            for layer in range(backend.n_layers):
-                site.hook(layer)
-                clean_activation(backend, site, clean_cache, layer, *tokens.shape)
-        except PatchingError as error:
-            raise PatchingError(
-                f"{bundle} stacks sweeps of {', '.join(activations)}, and cannot sweep "
-                f"{activation!r} here: {error}"
-            ) from None
 
 
 def run_sweep(

@@ -1,4 +1,4 @@
-"""The sweeps' runs on a `HookedTransformer`: `HookedSweep`, the `*_every` check, the adapter.
+"""The sweeps' runs on a `HookedTransformer`: `HookedSweep`.
 
 The `HookedTransformer` runner (`safelens.patching._runners`). Every sweep's runs come
 from the one front-end (`safelens.patching._front`); here, how they run on this family.
@@ -19,17 +19,12 @@ it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from jaxtyping import Int
 
-from ..backends._backend import Backend
-from ..backends._sites import TL_NAMES
 from ..backends.hooked._backend import HookedBackend
-from ..core._errors import PatchingError
-from ._clean_cache import check_clean_cache, hooked_sizes
 from ._engine import Run, patch_index, put
 from ._limits import Limits
 from ._metric import Metric
@@ -39,7 +34,7 @@ from ._unchanged import idle_runs
 if TYPE_CHECKING:
     from transformer_lens import ActivationCache, HookedTransformer
 
-__all__ = ["HookedSweep", "check_hooked_bundle", "hooked_backend"]
+__all__ = ["HookedSweep"]
 
 
 class HookedSweep:
@@ -121,40 +116,3 @@ class HookedSweep:
                 own.copy_((full if patched is None else patched)[:, start:])
 
         return sweep.run(runs, shape, patch, metric, limits)
-
-
-def check_hooked_bundle(
-    model: HookedTransformer,
-    corrupted_tokens: Any,
-    clean_cache: Any,
-    activations: Sequence[str],
-    bundle: str,
-) -> None:
-    """A `PatchingError` if `clean_cache` lacks what a sweep of a `*_every` `bundle` patches."""
-    check_clean_cache(clean_cache, hooked_sizes(model.cfg), HookedBackend.clean_cache_call)
-    for activation in activations:
-        for layer in range(model.cfg.n_layers):
-            name = f"blocks.{layer}.{TL_NAMES[activation]}"
-            try:
-                clean_cache[name]
-            except KeyError:
-                fix = (
-                    "the model is attention-only (cfg.attn_only=True) and has no MLP output; "
-                    "call get_act_patch_resid_pre and get_act_patch_attn_out instead"
-                    if model.cfg.attn_only and "mlp" in name
-                    else "run the clean prompt with model.run_with_cache(clean_tokens), "
-                    "without a names_filter, and pass that cache"
-                )
-                raise PatchingError(
-                    f"clean_cache has no activation {name!r}, which {bundle} patches (it "
-                    f"stacks sweeps of {', '.join(activations)}); {fix}"
-                ) from None
-
-
-def hooked_backend(model: HookedTransformer) -> Backend:
-    """The adapter of a `HookedTransformer` whatever its options.
-
-    Not `backend_of`, whose check refuses what only cached passes cannot run
-    (`ungroup_grouped_query_attention`): the sweeps run every `HookedTransformer`.
-    """
-    return HookedBackend(model)

@@ -26,10 +26,9 @@ import torch
 from transformer_lens import ActivationCache, HookedTransformer
 from transformer_lens.utilities import get_act_name
 
-from ..backends.hooked._backend import HookedBackend
+from ..backends.hooked._backend import HookedBackend, lacks
 from ..core._errors import PatchingError
-from ..core._tokens import check_tokens
-from ._clean_cache import axes_of, check_clean_cache, hooked_sizes, shape_error
+from ._clean_cache import axes_of, backend_sizes, check_clean_cache, shape_error, sweep_tokens
 from ._grid import CorruptedRun, Metric, Patcher, Run, sweep
 from ._index import check_setter_result, index_grid
 from ._limits import DEFAULT_MAX_BYTES, Limits
@@ -57,13 +56,10 @@ class _Sweep:
                 "shortformer positional embeddings are not supported by the cached sweeps; "
                 "use transformer_lens.patching for this model"
             )
-        tokens = corrupted_tokens
-        if isinstance(tokens, torch.Tensor) and tokens.dim() == 1:
-            tokens = tokens[None]
-        tokens = check_tokens(tokens, model.cfg, "corrupted_tokens")
-        check_clean_cache(clean_cache, hooked_sizes(model.cfg), HookedBackend.clean_cache_call)
+        backend = HookedBackend(model)
+        self.tokens = sweep_tokens(backend, corrupted_tokens, "corrupted_tokens")
+        check_clean_cache(clean_cache, backend_sizes(backend), backend.clean_cache_call)
         self.model = model
-        self.tokens = tokens.to(model.cfg.device)
         self.batch, self.length = self.tokens.shape
         self.activation_name = activation_name
         names = [self.hook_name(layer) for layer in range(model.cfg.n_layers)]
@@ -77,20 +73,11 @@ class _Sweep:
         missing = [name for name in names if not present(name)]
         if not missing:
             return
-        cfg, name = self.model.cfg, missing[0]
+        name = missing[0]
         where = f"model has no activation {name!r} (activation_name={self.activation_name!r})"
-        if cfg.attn_only and ("mlp" in name or "ln2" in name or "resid_mid" in name):
-            raise PatchingError(
-                f"{where}: the model is attention-only (cfg.attn_only=True) and has no MLP "
-                "layers, so there is nothing to patch there; patch attn_out, z or resid_pre "
-                "instead"
-            )
-        if cfg.parallel_attn_mlp and "resid_mid" in name:
-            raise PatchingError(
-                f"{where}: the model runs attention and MLP in parallel "
-                "(cfg.parallel_attn_mlp=True), so no residual stream lies between them; "
-                "patch attn_out or resid_pre instead"
-            )
+        why = lacks(self.model.cfg, name)
+        if why is not None:
+            raise PatchingError(f"{where}: {why}")
         if name in self.model.hook_dict:
             raise PatchingError(
                 f"{where}: the hook point exists but this model's forward never fires it "

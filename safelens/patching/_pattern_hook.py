@@ -25,7 +25,7 @@ import torch
 
 from ..backends._families import backend_of, family_of
 from ..core._errors import PatchingError
-from ._hf_sites import _tokens
+from ._clean_cache import sweep_tokens
 
 __all__ = ["check_pattern_hook"]
 
@@ -41,7 +41,7 @@ def check_pattern_hook(model: Any, corrupted_tokens: Any, what: str) -> None:
     if family_of(model) != "bridge":
         return
     backend = backend_of(model, what)
-    tokens = _tokens(backend, corrupted_tokens, "corrupted_tokens")[:1]
+    tokens = sweep_tokens(backend, corrupted_tokens, "corrupted_tokens")[:1]
     n_layers = backend.n_layers
 
     def zeroed(layer: int) -> Callable[..., torch.Tensor]:

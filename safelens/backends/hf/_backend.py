@@ -44,7 +44,7 @@ from ._model import (
 )
 from ._run import attach_hooks, module_hooks, run, select_cache_hooks
 from ._shared_attention import shared_prefix
-from ._sites import hf_site
+from ._sites import hf_site, layer_device
 
 __all__ = ["HF_CACHE", "HFBackend", "pass_inputs"]
 
@@ -294,6 +294,9 @@ class HFBackend(Backend):
 
     def write_hook(self, layer: int, target: Literal["keys", "values"]) -> str:
         return HF_CACHE.layout.hook_name(layer, f"hook_{target[0]}_new")
+
+    def layer_device(self, layer: int) -> torch.device:
+        return layer_device(self, layer)  # a `device_map`'s
 
     def patch_site(self, activation: str, clean_cache: Any = None) -> Site:
         """The model's seams and cache hooks (`safelens.backends.hf._sites`)."""

@@ -33,12 +33,13 @@ import torch
 
 from ...core._cache import KeyValueCache
 from ...core._config import CacheDimensions, refuse_ungrouped
-from ...core._errors import CacheShapeError
+from ...core._errors import CacheShapeError, PatchingError
 from ...core._thread_hooks import thread_hooks
 from .._backend import Backend, FwdHooks, NamesFilter
 from .._cache_ops import CacheLayout, CacheOps, CacheShape
+from .._sites import TL_NAMES, Site
 
-__all__ = ["KEY_VALUE_CACHE", "HookedBackend"]
+__all__ = ["KEY_VALUE_CACHE", "HookedBackend", "lacks"]
 
 
 class KeyValueCacheOps(CacheOps):
@@ -131,8 +132,24 @@ class HookedBackend(Backend):
             self._dims.dtype,
         )
 
+    @property
+    def n_token_ids(self) -> int:
+        return int(self.cfg.d_vocab)  # `d_vocab_out` (the logits') may differ
+
+    def layer_device(self, layer: int) -> torch.device:
+        weight = next(self.model.blocks[layer].parameters(), None)  # `cfg.n_devices > 1`
+        return self.device if weight is None else weight.device
+
     def check_model(self, what: str) -> None:
         refuse_ungrouped(self.cfg, what)
+
+    def patch_site(self, activation: str, clean_cache: Any = None) -> Site:
+        """TransformerLens' hook points, where the model has the activation (`lacks`)."""
+        name = f"blocks.0.{TL_NAMES.get(activation, activation)}"
+        why = lacks(self.cfg, name)
+        if why is not None:
+            raise PatchingError(f"model has no activation {name!r}: {why}")
+        return super().patch_site(activation, clean_cache)
 
     def bidirectional(self) -> str | None:
         """`cfg.attention_dir`, or the first layer whose own override is not causal."""
@@ -278,3 +295,18 @@ class HookedBackend(Backend):
         return self.model(
             residual, start_at_layer=layer, attention_mask=attention_mask, past_kv_cache=cache
         )
+
+
+def lacks(cfg: Any, name: str) -> str | None:
+    """Why a `HookedTransformer` of config `cfg` has no activation at hook `name`, or `None`."""
+    if cfg.attn_only and ("mlp" in name or "ln2" in name or "resid_mid" in name):
+        return (
+            "the model is attention-only (cfg.attn_only=True) and has no MLP layers, so "
+            "there is nothing to patch there; patch attn_out, z or resid_pre instead"
+        )
+    if cfg.parallel_attn_mlp and "resid_mid" in name:
+        return (
+            "the model runs attention and MLP in parallel (cfg.parallel_attn_mlp=True), so "
+            "no residual stream lies between them; patch attn_out or resid_pre instead"
+        )
+    return None
