@@ -1,16 +1,19 @@
 """The loop of every sweep, on every family: its runs scored into the result, pass by pass.
 
 A sweep is a list of patched runs ([`Run`][safelens.patching._engine.Run]), one per
-index of its grid. Every sweep hands them here split in two:
+index of its grid. `run_passes` runs them on any family: the family's corrupted run
+(a `Passes`) says where the runs patch and what its own run holds there; the runs
+split in two:
 
 - the *idle* runs, whose patch writes what the corrupted run already holds
   (`safelens.patching._unchanged`): each gets the metric of the corrupted run's logits,
   without a pass;
-- the others in *passes* `(start, runs, runner)`: runs that share a pass from position
-  `start` (`safelens.patching._grouping`), in layer order. The memory budget bounds the
-  rows of one pass of the positions from `start` (`safelens.patching._limits`), so a
-  pass's runs are cut into chunks of at most that many (and at most `max_batch`), and
-  `runner(chunk)` gives each chunk's logits, `batch` rows per run.
+- the others in *passes* `(start, runs, runner)` (the family's `Schedule`): runs that
+  share a pass from position `start` (`safelens.patching._grouping`), in layer order.
+  The memory budget bounds the rows of one pass of the positions from `start`
+  (`safelens.patching._limits`), so a pass's runs are cut into chunks of at most that
+  many (and at most `max_batch`), and `runner(chunk)` gives each chunk's logits,
+  `batch` rows per run (`score`).
 
 What runs a pass is the family's: on a `HookedTransformer`, `safelens.patching._grid`;
 on a HuggingFace model or a TransformerBridge, `safelens.patching._hf_passes`. Both
@@ -22,15 +25,28 @@ positions (`patch_index`), in the layout the family's site declares
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from contextlib import AbstractContextManager
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from tqdm import tqdm
 
 from ..backends._sites import Site
+from ._limits import Limits
 from ._metric import Metric, _Metric
+from ._unchanged import idle_runs
 
-__all__ = ["Planned", "Run", "patch_index", "put", "score"]
+__all__ = [
+    "Passes",
+    "Patcher",
+    "Planned",
+    "Run",
+    "Schedule",
+    "patch_index",
+    "put",
+    "run_passes",
+    "score",
+]
 
 
 class Run(NamedTuple):
@@ -51,8 +67,83 @@ class Run(NamedTuple):
     cell: tuple[int, ...] = ()
 
 
+# Patch an activation in place for `runs`, the `batch` rows of each at its place in `places`.
+# `patcher(tensor, runs, places, batch, start)`: `tensor` holds positions `start:`.
+Patcher = Callable[[torch.Tensor, list[Run], list[int], int, int], None]
+
 # A pass: its first position, its runs (in layer order), and what gives a chunk's logits.
 Planned = tuple[int, list[Run], Callable[[list[Run]], torch.Tensor]]
+
+
+class Schedule(NamedTuple):
+    """A sweep's passes on its family, ready to score (`score`'s arguments).
+
+    `passes` are `Planned`; `idle_logits` the corrupted run's logits an idle run is
+    scored on (the last position's alone for a metric that reads only that);
+    `rows(start)` how many rows a pass from position `start` may hold; `context` what
+    the passes run within (no gradients, the family's module replacements).
+    """
+
+    passes: list[Planned]
+    idle_logits: torch.Tensor
+    rows: Callable[[int], int]
+    context: AbstractContextManager[Any]
+
+
+class Passes(Protocol):
+    """One family's passes for a sweep, its corrupted run done.
+
+    - `batch`: the rows of the corrupted prompt;
+    - `site`: where the runs patch, laid out as `put` writes it (`None` where a user's
+      setter writes: then no run is idle); `seen`: per layer, what the corrupted run
+      holds there as the patch sees it (empty: no run is idle);
+    - `schedule(runs, metric, max_bytes)`: the passes of `runs`, none idle, each within
+      `max_bytes`.
+    """
+
+    @property
+    def batch(self) -> int: ...
+
+    @property
+    def site(self) -> Site | None: ...
+
+    @property
+    def seen(self) -> dict[int, torch.Tensor]: ...
+
+    def schedule(self, runs: list[Run], metric: Metric, max_bytes: int) -> Schedule: ...
+
+
+def run_passes(
+    passes: Passes,
+    clean: list[torch.Tensor],
+    runs: list[Run],
+    out: torch.Tensor,
+    metric: Metric,
+    limits: Limits,
+) -> torch.Tensor:
+    """Every run's metric at its slot of `out`, on any family; return `out`.
+
+    Runs that write what the corrupted run holds (`clean[layer]` equal to `seen[layer]`
+    where they write, `safelens.patching._unchanged`) get its metric without a pass; the
+    others run in the family's passes (`Passes.schedule`), scored chunk by chunk.
+    """
+    site = passes.site
+    idle = idle_runs(site, clean, passes.seen, runs) if site is not None else []
+    skipped = {run.slot for run in idle}
+    busy = [run for run in runs if run.slot not in skipped]
+    schedule = passes.schedule(busy, metric, limits.max_bytes)
+    with schedule.context:
+        return score(
+            out,
+            metric,
+            passes.batch,
+            idle,
+            schedule.idle_logits,
+            schedule.passes,
+            schedule.rows,
+            limits.max_batch,
+            limits.progress,
+        )
 
 
 def score(

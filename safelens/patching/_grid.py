@@ -37,8 +37,8 @@ budget bounds the runs per chunk, not per layer.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -49,22 +49,19 @@ from transformer_lens.utilities import get_attention_mask
 from transformer_lens.utilities.activation_functions import gelu_new
 
 from ..backends._override import Replacement, overriding
+from ..backends._sites import Site
 from ..backends.hooked._shared_attention import shared_inputs, shared_prefix_attention
 from ..core._cache import KeyValueCache
 from ..core._thread_hooks import Hook, thread_hooks
 from ..core._versions import version_of
-from ._engine import Planned, Run, score
+from ._engine import Patcher, Planned, Run, Schedule
 from ._fused import tanh_gelu
 from ._grouping import groups, run_rows, with_positions_before
 from ._limits import rows_within
 from ._metric import Metric
 from ._plan import Plan
 
-__all__ = ["CorruptedRun", "Patcher", "Run", "sweep"]
-
-# Patch an activation in place for `runs`, the `batch` rows of each at its place in `places`.
-# `patcher(tensor, runs, places, batch, start)`: `tensor` holds positions `start:`.
-Patcher = Callable[[torch.Tensor, list["Run"], list[int], int, int], None]
+__all__ = ["CorruptedRun", "HookedPasses", "Patcher", "Run"]
 
 # Runs patched at positions `p0 … p0 + _SPAN - 1` share one chunk that starts at `p0`:
 # fewer, larger forward passes, for a few positions recomputed per run.
@@ -127,56 +124,70 @@ class CorruptedRun:
         return cls(cache, residuals, logits, captured, mask)
 
 
-def sweep(
-    model: HookedTransformer,
-    corrupted: CorruptedRun,
-    runs: list[Run],
-    hook_name: Callable[[int], str],
-    patcher: Patcher,
-    metric: Metric,
-    out: torch.Tensor,
-    max_batch: int | None,
-    max_bytes: int,
-    progress: bool,
-    single_position: bool,
-    idle: list[Run] | None = None,
-) -> torch.Tensor:
-    """Fill `out.view(-1)[run.slot]` with the metric of every patched run; return `out`.
+@dataclass
+class HookedPasses:
+    """A sweep's passes on a `HookedTransformer` (`safelens.patching._engine.Passes`).
 
-    The runs are grouped into passes here and scored by `safelens.patching._engine`.
-    `single_position`: each run's patch changes its own position `run.pos` alone (a
-    by-position sweep), which lets some sites skip work (see `safelens.patching._plan`).
-    `idle`: runs whose patch changes nothing (`safelens.patching._unchanged`): each gets
-    the corrupted run's metric, without a pass.
+    Its corrupted run is done (`corrupted`); `patcher` writes each run's patch at
+    `hook_name(layer)`; `single_position`: each run's patch changes its own position
+    `run.pos` alone (a by-position sweep, not a user's setter), which lets some sites
+    skip work (see `safelens.patching._plan`). `site` and `seen` are what the idle check
+    reads (`None` and empty for a user's setter).
     """
-    batch, length = corrupted.logits.shape[:2]
-    cfg = model.cfg
 
-    def rows(start: int) -> int:
-        return rows_within(
-            max_bytes,
-            d_vocab=cfg.d_vocab,
-            d_model=cfg.d_model,
-            d_mlp=cfg.d_mlp or 0,
-            n_heads=cfg.n_heads,
-            new=length - start,
-            length=length,
-            dtype=cfg.dtype,
-        )
+    model: HookedTransformer
+    corrupted: CorruptedRun
+    hook_name: Callable[[int], str]
+    patcher: Patcher
+    single_position: bool
+    site: Site | None
+    seen: dict[int, torch.Tensor]
 
-    last = model.cfg.n_layers - 1
-    plan = Plan.of(model, hook_name(last).removeprefix(f"blocks.{last}."), single_position, metric)
-    patch = _Patch(hook_name, patcher)
-    span = _SPAN if plan.reuses_positions else length
-    planned: list[Planned] = [
-        (
-            pos,
-            group,
-            functools.partial(_forward_chunk, model, corrupted, pos, patch=patch, plan=plan),
-        )
-        for pos, group in groups(runs, (span,))
-    ]
-    idle_logits = corrupted.logits[:, -1:] if plan.last_only else corrupted.logits
+    @property
+    def batch(self) -> int:
+        return int(self.corrupted.logits.shape[0])
+
+    def schedule(self, runs: list[Run], metric: Metric, max_bytes: int) -> Schedule:
+        """The runs grouped into chunks from a position, each a staggered forward."""
+        model, corrupted = self.model, self.corrupted
+        length = corrupted.logits.shape[1]
+        cfg = model.cfg
+
+        def rows(start: int) -> int:
+            return rows_within(
+                max_bytes,
+                d_vocab=cfg.d_vocab,
+                d_model=cfg.d_model,
+                d_mlp=cfg.d_mlp or 0,
+                n_heads=cfg.n_heads,
+                new=length - start,
+                length=length,
+                dtype=cfg.dtype,
+            )
+
+        last = cfg.n_layers - 1
+        single_position = self.single_position and all(run.pos is not None for run in runs)
+        activation = self.hook_name(last).removeprefix(f"blocks.{last}.")
+        plan = Plan.of(model, activation, single_position, metric)
+        patch = _Patch(self.hook_name, self.patcher)
+        span = _SPAN if plan.reuses_positions else length
+        planned: list[Planned] = [
+            (
+                pos,
+                group,
+                functools.partial(_forward_chunk, model, corrupted, pos, patch=patch, plan=plan),
+            )
+            for pos, group in groups(runs, (span,))
+        ]
+        idle_logits = corrupted.logits[:, -1:] if plan.last_only else corrupted.logits
+        return Schedule(planned, idle_logits, rows, _running(model, plan))
+
+
+@contextmanager
+def _running(model: HookedTransformer, plan: Plan) -> Iterator[None]:
+    """Within the block, the passes' settings: no gradients, the shared prefix read
+    once per layer, and (without a hook of the user's) the fused activation and each
+    `ln1` computed once."""
     fused = _fused_activations(model) if plan.partial else {}
     once = {block.ln1: _once(block.ln1) for block in model.blocks} if plan.partial else {}
     with (
@@ -185,9 +196,7 @@ def sweep(
         overriding(fused, "act_fn"),
         overriding(once),
     ):
-        return score(
-            out, metric, batch, idle or [], idle_logits, planned, rows, max_batch, progress
-        )
+        yield
 
 
 def _once(norm: torch.nn.Module) -> Replacement:

@@ -48,7 +48,7 @@ from ..backends._sites import Site
 from ..core._errors import PatchingError
 from ..core._thread_hooks import hooked_anywhere
 from ._clean_cache import backend_sizes, check_clean_cache, clean_activation, sweep_tokens
-from ._engine import Planned, Run, score
+from ._engine import Planned, Run, Schedule, run_passes
 from ._grouping import with_positions_before
 from ._hf_checked import fingerprint, remembered
 from ._hf_generic import generic_inputs
@@ -57,9 +57,9 @@ from ._hf_shortcuts import Shortcuts, captured, tolerance
 from ._limits import Limits, rows_within
 from ._metric import Metric
 from ._setters import Setter
-from ._unchanged import idle_runs, seeing
+from ._unchanged import seeing
 
-__all__ = ["Editor", "Run", "SeamSweep", "run_sweep", "seam_sweep"]
+__all__ = ["Editor", "Run", "SeamPasses", "SeamSweep", "seam_sweep"]
 
 # Sites a bridge's plain HuggingFace model may run for it (`_on_plain_model`).
 _ON_PLAIN_MODEL = frozenset({"resid_pre", "attn_out", "mlp_out", "k", "v"})
@@ -88,7 +88,7 @@ class SeamSweep:
 
     The front-end's `Prepared` (`safelens.patching._front`) on these families: the site,
     the tokens, each layer's clean tensor at the site, and the heads of a head index;
-    `run` is `run_sweep`'s. With an `editor` (`generic_activation_patch`'s setter,
+    `run` scores the runs on `SeamPasses` (the engine's `run_passes`). With an `editor` (`generic_activation_patch`'s setter,
     `safelens.patching._hf_generic`) each run runs every position, since its setter may
     write any.
     """
@@ -113,8 +113,9 @@ class SeamSweep:
     ) -> torch.Tensor:
         if self.editor is not None:
             runs = [run._replace(pos=None) for run in runs]
-        inputs = (self.backend, self.site, self.tokens, self.clean)
-        return run_sweep(*inputs, runs, shape, metric, *limits, self.editor)
+        passes = SeamPasses.of(self.backend, self.site, self.tokens, self.clean, self.editor)
+        out = torch.zeros(shape, device=self.backend.device)
+        return run_passes(passes, self.clean, runs, out, metric, limits)
 
 
 def seam_sweep(
@@ -140,44 +141,72 @@ def seam_sweep(
     return SeamSweep(backend, site, tokens, clean, site.heads)
 
 
-def run_sweep(
-    backend: Backend,
-    site: Site,
-    tokens: torch.Tensor,
-    clean: list[torch.Tensor],
-    runs: list[Run],
-    shape: tuple[int, ...],
-    patching_metric: Metric,
-    max_batch: int | None,
-    max_bytes: int,
-    progress: bool,
-    editor: Editor | None = None,
-) -> torch.Tensor:
-    """The metric of every run of `runs` at its slot of a `shape` result (module notes)."""
-    _check_no_dropout(backend.model)
-    batch, length = tokens.shape
-    if backend.family == "bridge":
-        mask = torch.ones_like(tokens, dtype=torch.long)
-    else:
-        mask = backend.default_mask(tokens).to(tokens.device)
-    out = torch.zeros(shape, device=backend.device)
-    partial = not hooked_anywhere(backend.model)  # read before the sweep attaches its own
-    with torch.no_grad():
-        # The model's own corrupted run: patches that write what it holds are its runs.
-        reference = _corrupted_run(backend, site, tokens, mask, editor is not None)
-        corrupted = reference
-        if partial and editor is None and backend.family == "bridge":
-            corrupted = _on_plain_model(reference, tokens, mask)
-        backend, site = corrupted.backend, corrupted.site
-        corrupted_logits = corrupted.logits
-        pass_ = Pass(backend, site, tokens, mask, corrupted.cache, clean, editor)
+@dataclass
+class SeamPasses:
+    """A sweep's passes on a bridge or HuggingFace model (`safelens.patching._engine.Passes`).
 
-        model = backend.model
-        model_key = (fingerprint(model, tokens, mask), site.activation)
+    `of` runs the corrupted prompt (module notes); `site` and `seen` are the model's
+    own (a bridge's, where its passes run on its plain model), what the idle check
+    reads; `schedule` plans the passes, which run on `pass_`.
+    """
+
+    corrupted: _Corrupted
+    reference: _Corrupted
+    pass_: Pass
+    partial: bool
+    generic: bool
+    model_key: tuple[Any, ...]
+
+    @property
+    def batch(self) -> int:
+        return int(self.pass_.tokens.shape[0])
+
+    @property
+    def site(self) -> Site:
+        return self.reference.site
+
+    @property
+    def seen(self) -> dict[int, torch.Tensor]:
+        return self.reference.seen
+
+    @classmethod
+    def of(
+        cls,
+        backend: Backend,
+        site: Site,
+        tokens: torch.Tensor,
+        clean: list[torch.Tensor],
+        editor: Editor | None,
+    ) -> SeamPasses:
+        """The corrupted run of `tokens`, once, into a frozen cache."""
+        _check_no_dropout(backend.model)
+        if backend.family == "bridge":
+            mask = torch.ones_like(tokens, dtype=torch.long)
+        else:
+            mask = backend.default_mask(tokens).to(tokens.device)
+        partial = not hooked_anywhere(backend.model)  # read before the sweep attaches its own
+        with torch.no_grad():
+            # The model's own corrupted run: patches that write what it holds are its runs.
+            reference = _corrupted_run(backend, site, tokens, mask, editor is not None)
+            corrupted = reference
+            if partial and editor is None and backend.family == "bridge":
+                corrupted = _on_plain_model(reference, tokens, mask)
+        backend, site = corrupted.backend, corrupted.site
+        pass_ = Pass(backend, site, tokens, mask, corrupted.cache, clean, editor)
+        model_key = (fingerprint(backend.model, tokens, mask), site.activation)
+        return cls(corrupted, reference, pass_, partial, editor is not None, model_key)
+
+    def schedule(self, runs: list[Run], metric: Metric, max_bytes: int) -> Schedule:
+        """The runs in passes by the cost model (`safelens.patching._hf_passes`), on the
+        shortcuts that hold on this model (checked once per model and prompt shape)."""
+        corrupted, pass_ = self.corrupted, self.pass_
+        backend, site = corrupted.backend, corrupted.site
+        batch, length = pass_.tokens.shape
+        corrupted_logits = corrupted.logits
 
         def check(shortcuts: Shortcuts, entries: list[int], start: int) -> bool:
-            key = (model_key, shortcuts.key(), tuple(entries), start)
-            return remembered(model, key, lambda: checked(shortcuts, entries, start))
+            key = (self.model_key, shortcuts.key(), tuple(entries), start)
+            return remembered(backend.model, key, lambda: checked(shortcuts, entries, start))
 
         def checked(shortcuts: Shortcuts, entries: list[int], start: int) -> bool:
             # Each unpatched run as if patched part-way: the MLPs map its later positions
@@ -186,7 +215,8 @@ def run_sweep(
             at: list[int | None] = [
                 start + (i + 1) * new // (len(entries) + 1) for i in range(len(entries))
             ]
-            logits = pass_.logits(shortcuts, [], entries[0], start, len(entries), entries, at)
+            with torch.no_grad():
+                logits = pass_.logits(shortcuts, [], entries[0], start, len(entries), entries, at)
             expected = corrupted_logits[:, -1:] if shortcuts.last_only else corrupted_logits
             expected = expected[:, -logits.shape[1] :].repeat(len(entries), 1, 1)
             return logits.shape == expected.shape and _close(
@@ -196,19 +226,16 @@ def run_sweep(
         shortcuts = Shortcuts.of(
             backend,
             site.activation,
-            patching_metric,
+            metric,
             corrupted.inputs,
             corrupted.forms,
             check,
-            partial,
+            self.partial,
             corrupted.outputs,
         )
-        idle = idle_runs(reference.site, clean, reference.seen, runs)
-        skipped = {run.slot for run in idle}
-        runs = [run for run in runs if run.slot not in skipped]
         planned: list[Planned] = []
         for first, start, group in passes(
-            backend, site, shortcuts, runs, length, batch, editor is None
+            backend, site, shortcuts, runs, length, batch, not self.generic
         ):
 
             def run(chunk: list[Run], first: int = first, start: int = start) -> torch.Tensor:
@@ -221,14 +248,13 @@ def run_sweep(
                 return logits
 
             planned.append((start, group, run))
-        idle_logits = reference.logits[:, -1:] if shortcuts.last_only else reference.logits
+        reference = self.reference.logits
+        idle_logits = reference[:, -1:] if shortcuts.last_only else reference
 
         def rows(start: int) -> int:
             return _rows_limit(backend, length - start, length, max_bytes)
 
-        return score(
-            out, patching_metric, batch, idle, idle_logits, planned, rows, max_batch, progress
-        )
+        return Schedule(planned, idle_logits, rows, torch.no_grad())
 
 
 @dataclass

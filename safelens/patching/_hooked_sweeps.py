@@ -3,14 +3,15 @@
 The `HookedTransformer` runner (`safelens.patching._runners`). Every sweep's runs come
 from the one front-end (`safelens.patching._front`); here, how they run on this family.
 `HookedSweep` checks the sweep's inputs and runs the corrupted prompt
-(`safelens.patching._inputs`); the runs that would write what the corrupted run already
-holds are set apart (`safelens.patching._unchanged`) and run no pass; the others are
-stacked along the batch and run from the corrupted run's frozen key/value cache by
-`safelens.patching._grid`, each run writing the clean activation at its cell into its
-rows (`run`: at one position and head or every one, as the adapter lays the site out,
-`Backend.patch_site`), or a user's `patch_setter` writing it on the run's full-length
-activation (`_run_setter`). A TransformerBridge or a HuggingFace model takes
-`safelens.patching._hf_sweeps` and `safelens.patching._hf_generic`.
+(`safelens.patching._inputs`); its runs go through the engine's loop
+(`safelens.patching._engine.run_passes`), which sets apart those that would write what
+the corrupted run already holds and scores the others on `HookedPasses`
+(`safelens.patching._grid`): stacked along the batch, run from the corrupted run's
+frozen key/value cache, each writing the clean activation at its cell into its rows
+(`_site_patcher`: at one position and head or every one, as the adapter lays the site
+out, `Backend.patch_site`), or a user's `patch_setter` writing it on the run's
+full-length activation (`_setter_patcher`). A TransformerBridge or a HuggingFace model
+takes `safelens.patching._hf_sweeps` and `safelens.patching._hf_generic`.
 
 Caveat: what runs here imports `HookedTransformer` code (`safelens.patching._inputs`,
 `_grid`) only when called, so that the sweeps import on TransformerLens 4, which removed
@@ -24,12 +25,12 @@ from typing import TYPE_CHECKING
 import torch
 from jaxtyping import Int
 
+from ..backends._sites import Site
 from ..backends.hooked._backend import HookedBackend
-from ._engine import Run, patch_index, put
+from ._engine import Patcher, Run, patch_index, put, run_passes
 from ._limits import Limits
 from ._metric import Metric
 from ._setters import Setter
-from ._unchanged import idle_runs
 
 if TYPE_CHECKING:
     from transformer_lens import ActivationCache, HookedTransformer
@@ -67,36 +68,30 @@ class HookedSweep:
         self, runs: list[Run], shape: tuple[int, ...], metric: Metric, limits: Limits
     ) -> torch.Tensor:
         """Each run writes the clean values at its cell (`put`), in the layout the adapter
-        declares for the site (`Backend.patch_site`), or its setter's (`_run_setter`)."""
-        if self.setter is not None:
-            return self._run_setter(self.setter, runs, shape, metric, limits)
+        declares for the site (`Backend.patch_site`), or its setter's (`_setter_patcher`);
+        the engine's loop (`run_passes`) sets apart the runs that write what the corrupted
+        run holds (none with a setter) and scores the others on `HookedPasses`."""
+        from ._grid import HookedPasses
+
         sweep = self.sweep
-        site = HookedBackend(sweep.model).patch_site(sweep.activation_name)
-        seen = {
-            layer: sweep.corrupted.activations[sweep.hook_name(layer)]
-            for layer in range(self.n_layers)
-        }
-        idle = idle_runs(site, sweep.clean, seen, runs)
-        skipped = {run.slot for run in idle}
+        site: Site | None = None
+        seen: dict[int, torch.Tensor] = {}
+        if self.setter is None:
+            site = HookedBackend(sweep.model).patch_site(sweep.activation_name)
+            seen = {
+                layer: sweep.corrupted.activations[sweep.hook_name(layer)]
+                for layer in range(self.n_layers)
+            }
+            patcher = _site_patcher(site, sweep.clean)
+        else:
+            patcher = self._setter_patcher(self.setter)
+        passes = HookedPasses(
+            sweep.model, sweep.corrupted, sweep.hook_name, patcher, site is not None, site, seen
+        )
+        out = torch.zeros(shape, device=sweep.model.cfg.device)
+        return run_passes(passes, sweep.clean, runs, out, metric, limits)
 
-        def patch(
-            tensor: torch.Tensor, runs: list[Run], places: list[int], batch: int, start: int
-        ) -> None:
-            index = patch_index(places, runs, batch, tensor.device)
-            put(site, tensor, sweep.clean[runs[0].layer], index, start)
-
-        single_position = bool(runs) and all(run.pos is not None for run in runs)
-        runs = [run for run in runs if run.slot not in skipped]
-        return sweep.run(runs, shape, patch, metric, limits, single_position, idle)
-
-    def _run_setter(
-        self,
-        setter: Setter,
-        runs: list[Run],
-        shape: tuple[int, ...],
-        metric: Metric,
-        limits: Limits,
-    ) -> torch.Tensor:
+    def _setter_patcher(self, setter: Setter) -> Patcher:
         """Each run's patch is `setter`'s on its rows at full length; positions before the
         run's `pos` are the corrupted run's, and a setter that changes one is refused."""
         from ._inputs import _check_patched
@@ -115,4 +110,16 @@ class HookedSweep:
                 _check_patched(full if patched is None else patched, full, before, start, run)
                 own.copy_((full if patched is None else patched)[:, start:])
 
-        return sweep.run(runs, shape, patch, metric, limits)
+        return patch
+
+
+def _site_patcher(site: Site, clean: list[torch.Tensor]) -> Patcher:
+    """Each run writes the clean values at its cell (`put`), at its rows of the pass."""
+
+    def patch(
+        tensor: torch.Tensor, runs: list[Run], places: list[int], batch: int, start: int
+    ) -> None:
+        index = patch_index(places, runs, batch, tensor.device)
+        put(site, tensor, clean[runs[0].layer], index, start)
+
+    return patch

@@ -29,9 +29,9 @@ from transformer_lens.utilities import get_act_name
 from ..backends.hooked._backend import HookedBackend, lacks
 from ..core._errors import PatchingError
 from ._clean_cache import axes_of, backend_sizes, check_clean_cache, shape_error, sweep_tokens
-from ._grid import CorruptedRun, Metric, Patcher, Run, sweep
+from ._grid import CorruptedRun, Run
 from ._index import check_setter_result, index_grid
-from ._limits import DEFAULT_MAX_BYTES, Limits
+from ._limits import DEFAULT_MAX_BYTES
 
 __all__ = ["DEFAULT_MAX_BYTES"]
 
@@ -132,23 +132,6 @@ class _Sweep:
         if self.activation_name in ("k", "v"):
             return int(self.expected(0)[1])
         return int(self.model.cfg.n_heads)
-
-    def run(
-        self,
-        runs: list[Run],
-        shape: tuple[int, ...],
-        patcher: Patcher,
-        metric: Metric,
-        limits: Limits,
-        single_position: bool = False,
-        idle: list[Run] | None = None,
-    ) -> torch.Tensor:
-        out = torch.zeros(shape, device=self.model.cfg.device)
-        model, corrupted = self.model, self.corrupted
-        return sweep(
-            model, corrupted, runs, self.hook_name, patcher, metric, out, *limits,
-            single_position, idle,
-        )  # fmt: skip
 
 
 def _index_grid(

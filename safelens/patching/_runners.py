@@ -4,11 +4,12 @@ What a sweep does is written once, whatever the model, against the adapter proto
 (`safelens.backends._backend.Backend`): its runs, from its grid or index rows, and the
 `*_every` bundles' checks (`safelens.patching._front`); the model's sites
 (`Backend.patch_site`), its tokens and clean cache, checked
-(`safelens.patching._clean_cache`); the loop that scores the runs, the memory budget
-and the patch writer (`safelens.patching._engine`); grouping runs into passes on the
-corrupted run's frozen cache (`_grouping`); setting apart patches that write what the
-corrupted run holds (`_unchanged`); what a patched run may skip (`_skips`); the metric
-(`_metric`). What is the family's is how one pass runs on the model, and so how a
+(`safelens.patching._clean_cache`); the loop that sets apart the runs that write what
+the corrupted run holds (`_unchanged`) and scores the others pass by pass within the
+memory budget, and the patch writer (`safelens.patching._engine`: `run_passes`, `put`);
+grouping runs into passes on the corrupted run's frozen cache (`_grouping`); what a
+patched run may skip (`_skips`); the metric (`_metric`). What is the family's is its
+corrupted run and how one pass runs on the model (the engine's `Passes`), and so how a
 sweep is prepared for it (`prepare_of(model)`):
 
 - a `HookedTransformer` runs layer by layer through `start_at_layer`, with safelens'
