@@ -37,6 +37,7 @@ __all__ = [
     "backend_sizes",
     "check_clean_cache",
     "clean_activation",
+    "named_inputs",
     "shape_error",
     "sweep_tokens",
 ]
@@ -271,3 +272,23 @@ def sweep_tokens(backend: Backend, tokens: Any, what: str) -> torch.Tensor:
     if isinstance(tokens, torch.Tensor) and tokens.dim() == 1:
         tokens = tokens[None]
     return check_tokens(tokens, token_limits(backend), what).to(backend.device)
+
+
+def named_inputs(
+    backend: Backend, corrupted_tokens: Any, clean_cache: Any, activation: str
+) -> tuple[Site, torch.Tensor, list[torch.Tensor]]:
+    """A named sweep's checked inputs on any family: `(site, tokens, clean)`.
+
+    The adapter's site of `activation` (`Backend.patch_site`, which says why a family
+    lacks one), the corrupted tokens (`sweep_tokens`), and each layer's clean tensor at
+    the site (`clean_activation`), after `clean_cache` is checked against the model.
+    """
+    site = backend.patch_site(activation, clean_cache)
+    tokens = sweep_tokens(backend, corrupted_tokens, "corrupted_tokens")
+    check_clean_cache(clean_cache, backend_sizes(backend), backend.clean_cache_call)
+    batch, length = tokens.shape
+    clean = [
+        clean_activation(backend, site, clean_cache, layer, batch, length)
+        for layer in range(backend.n_layers)
+    ]
+    return site, tokens, clean

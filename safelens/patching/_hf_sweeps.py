@@ -47,7 +47,7 @@ from ..backends._families import backend_of
 from ..backends._sites import Site
 from ..core._errors import PatchingError
 from ..core._thread_hooks import hooked_anywhere
-from ._clean_cache import backend_sizes, check_clean_cache, clean_activation, sweep_tokens
+from ._clean_cache import named_inputs
 from ._engine import Planned, Run, Schedule, run_passes
 from ._grouping import with_positions_before
 from ._hf_checked import fingerprint, remembered
@@ -130,14 +130,7 @@ def seam_sweep(
     if setter is not None:
         return SeamSweep(*generic_inputs(model, corrupted_tokens, clean_cache, setter, activation))
     backend = backend_of(model, "patching")
-    site = backend.patch_site(activation, clean_cache)
-    tokens = sweep_tokens(backend, corrupted_tokens, "corrupted_tokens")
-    check_clean_cache(clean_cache, backend_sizes(backend), backend.clean_cache_call)
-    batch, length = tokens.shape
-    clean = [
-        clean_activation(backend, site, clean_cache, layer, batch, length)
-        for layer in range(backend.n_layers)
-    ]
+    site, tokens, clean = named_inputs(backend, corrupted_tokens, clean_cache, activation)
     return SeamSweep(backend, site, tokens, clean, site.heads)
 
 

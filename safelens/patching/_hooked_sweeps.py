@@ -26,7 +26,6 @@ import torch
 from jaxtyping import Int
 
 from ..backends._sites import Site
-from ..backends.hooked._backend import HookedBackend
 from ._engine import Patcher, Run, patch_index, put, run_passes
 from ._limits import Limits
 from ._metric import Metric
@@ -58,7 +57,8 @@ class HookedSweep:
     ) -> None:
         from ._inputs import _Sweep
 
-        self.sweep = _Sweep(model, corrupted_tokens, clean_cache, activation_name)
+        named = setter is None
+        self.sweep = _Sweep(model, corrupted_tokens, clean_cache, activation_name, named)
         self.setter = setter
         self.n_layers = int(model.cfg.n_layers)
         self.length = self.sweep.length
@@ -77,7 +77,8 @@ class HookedSweep:
         site: Site | None = None
         seen: dict[int, torch.Tensor] = {}
         if self.setter is None:
-            site = HookedBackend(sweep.model).patch_site(sweep.activation_name)
+            site = sweep.site
+            assert site is not None  # a named sweep's
             seen = {
                 layer: sweep.corrupted.activations[sweep.hook_name(layer)]
                 for layer in range(self.n_layers)

@@ -1,19 +1,22 @@
-"""The checked inputs of a patching sweep: `_Sweep`, its limits, index grid and setter.
+"""The checked inputs of a sweep on a `HookedTransformer`: `_Sweep`, its index grid, setter.
 
-A sweep function (`safelens.patching._sweeps`) checks everything it is given before the first
-patched run: the limits (`max_batch`, `max_bytes`, `progress`), the model (a
-`HookedTransformer`, not shortformer), the corrupted tokens, that `clean_cache` is
-this model's (`safelens.patching._clean_cache`), that the activation fires inside every
-block of this model, and that `clean_cache` holds it in the corrupted run's shape (batch
-1 or the corrupted batch). `_Sweep` holds what passed: the tokens on
-the model's device, the corrupted run (`safelens.patching._grid.CorruptedRun`) and each
-layer's clean activation, on the device of that layer's activation. A generic sweep's index grid (`index_axis_names`, or
+A sweep checks everything it is given before the first patched run: the limits
+(`safelens.patching._limits`), the model (a `HookedTransformer`, not shortformer), and
+then, for a named sweep, what every family's named sweep checks
+(`safelens.patching._clean_cache.named_inputs`: the adapter's site, the corrupted
+tokens, the clean cache against the model, each layer's clean tensor at the site); for
+`generic_activation_patch` with a user's setter, which may name any hook, the corrupted
+tokens, the clean cache, that the activation fires inside every block of this model,
+and that `clean_cache` holds it in the corrupted run's shape (batch 1 or the corrupted
+batch). `_Sweep` holds what passed: the tokens on the model's device, the corrupted run
+(`safelens.patching._grid.CorruptedRun`) and each layer's clean activation, on the
+device of that layer's activation. A generic sweep's index grid (`index_axis_names`, or
 `index_df` checked against the axis sizes) is checked here too, and so is each
 `patch_setter` result as it arrives. Every failure is a `PatchingError` naming the
 input (corrupted tokens that are not token ids: a `TokenError`).
 
-Caveat: making a `_Sweep` runs the corrupted forward pass (the activations a clean one
-must match come from it), so the checks that need no model run first.
+Caveat: making a `_Sweep` runs the corrupted forward pass (a generic sweep's clean
+activations must match its), so the checks that need no model run first.
 """
 
 from __future__ import annotations
@@ -26,9 +29,17 @@ import torch
 from transformer_lens import ActivationCache, HookedTransformer
 from transformer_lens.utilities import get_act_name
 
+from ..backends._sites import Site
 from ..backends.hooked._backend import HookedBackend, lacks
 from ..core._errors import PatchingError
-from ._clean_cache import axes_of, backend_sizes, check_clean_cache, shape_error, sweep_tokens
+from ._clean_cache import (
+    axes_of,
+    backend_sizes,
+    check_clean_cache,
+    named_inputs,
+    shape_error,
+    sweep_tokens,
+)
 from ._grid import CorruptedRun, Run
 from ._index import check_setter_result, index_grid
 from ._limits import DEFAULT_MAX_BYTES
@@ -37,7 +48,9 @@ __all__ = ["DEFAULT_MAX_BYTES"]
 
 
 class _Sweep:
-    """The checked inputs of one sweep."""
+    """The checked inputs of one sweep: a named one's (`named`: the activation one of
+    `TL_NAMES`, checked by `named_inputs` as on every family, with its `site`), or a
+    generic one's (any hook `get_act_name` spells; `site` is `None`)."""
 
     def __init__(
         self,
@@ -45,6 +58,7 @@ class _Sweep:
         corrupted_tokens: torch.Tensor,
         clean_cache: ActivationCache | dict[str, torch.Tensor],
         activation_name: str,
+        named: bool,
     ) -> None:
         if not isinstance(model, HookedTransformer):
             raise PatchingError(
@@ -57,12 +71,21 @@ class _Sweep:
                 "use transformer_lens.patching for this model"
             )
         backend = HookedBackend(model)
-        self.tokens = sweep_tokens(backend, corrupted_tokens, "corrupted_tokens")
-        check_clean_cache(clean_cache, backend_sizes(backend), backend.clean_cache_call)
         self.model = model
-        self.batch, self.length = self.tokens.shape
         self.activation_name = activation_name
         names = [self.hook_name(layer) for layer in range(model.cfg.n_layers)]
+        self.site: Site | None = None
+        if named:
+            # A named sweep's inputs, checked as on every family.
+            self.site, self.tokens, self.clean = named_inputs(
+                backend, corrupted_tokens, clean_cache, activation_name
+            )
+            self.batch, self.length = self.tokens.shape
+            self.corrupted = CorruptedRun.of(model, self.tokens, names)
+            return
+        self.tokens = sweep_tokens(backend, corrupted_tokens, "corrupted_tokens")
+        check_clean_cache(clean_cache, backend_sizes(backend), backend.clean_cache_call)
+        self.batch, self.length = self.tokens.shape
         self._check_hooks(names, lambda name: name in model.hook_dict)
         self.corrupted = CorruptedRun.of(model, self.tokens, names)
         self._check_hooks(names, lambda name: name in self.corrupted.activations)
