@@ -512,3 +512,37 @@ def test_a_rotary_model_runs_past_max_position_embeddings_as_huggingface_does():
     limit = gpt2.config.n_positions
     with pytest.raises(TokenError, match=rf"more than the model's context n_ctx={limit}"):
         prefill(gpt2, ids(1, limit + 1))
+
+
+def test_token_ids_are_bounded_by_the_input_embedding_and_scored_ids_by_the_logits() -> None:
+    # An input embedding with more rows than the untied output layer: a prompt may hold
+    # every id the embedding has; a continuation, which is also scored, only ids the
+    # logits have.
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=10,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.model.embed_tokens = torch.nn.Embedding(30, 32)
+    prompt = torch.tensor([[1, 25, 3, 29]])
+    with torch.no_grad():
+        logits = hf(torch.cat([prompt, torch.tensor([[4, 7]])], 1)).logits
+        expected = logits.log_softmax(-1)
+        prefix = prefill(hf, prompt)
+        torch.testing.assert_close(prefix.last_logits, logits[:, 3], atol=1e-5, rtol=1e-5)
+        scores = score_continuations(hf, prefix, [[4, 7]])
+    torch.testing.assert_close(
+        scores.per_continuation()[0], torch.stack([expected[0, 3, 4], expected[0, 4, 7]])
+    )
+    with pytest.raises(TokenError, match=r"token id 30 .*d_vocab=30"):
+        prefill(hf, torch.tensor([[1, 30]]))
+    with pytest.raises(TokenError, match=r"token id 25 .*d_vocab=10"):
+        score_continuations(hf, prefix, [[4, 25]])

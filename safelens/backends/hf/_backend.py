@@ -196,10 +196,17 @@ class HFBackend(Backend):
         output = model.get_output_embeddings()
         weight = getattr(output, "weight", None)
         self.d_vocab = int(weight.shape[0]) if weight is not None else self.config.vocab_size
+        # The ids the input embedding has rows for, where it is a table (its own size).
+        table = getattr(model.get_input_embeddings(), "weight", None)
+        self._token_ids = int(table.shape[0]) if table is not None else self.d_vocab
         self.n_ctx = _context(self.config)
         self.d_model = int(self.config.hidden_size)
         self.device = model.device
         self.dtype = model.dtype
+
+    @property
+    def n_token_ids(self) -> int:
+        return self._token_ids
 
     def check_model(self, what: str) -> None:
         hf_cache_argument(self.model)
