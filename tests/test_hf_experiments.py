@@ -520,15 +520,8 @@ def test_token_ids_are_bounded_by_the_input_embedding_and_scored_ids_by_the_logi
     # logits have.
     import transformers
 
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=10,
-        tie_word_embeddings=False,
-    )
+    config = CONFIGS["llama"]()
+    config.vocab_size, config.tie_word_embeddings = 10, False
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(config).eval()
     hf.model.embed_tokens = torch.nn.Embedding(30, 32)
