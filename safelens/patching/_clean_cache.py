@@ -37,6 +37,7 @@ __all__ = [
     "backend_sizes",
     "check_clean_cache",
     "clean_activation",
+    "clean_tensors",
     "named_inputs",
     "shape_error",
     "sweep_tokens",
@@ -267,6 +268,16 @@ def clean_activation(
     return clean.to(backend.layer_device(layer)).expand(batch, *expected)
 
 
+def clean_tensors(
+    backend: Backend, site: Site, clean_cache: Any, batch: int, length: int
+) -> list[torch.Tensor]:
+    """`clean_activation` of every layer: the clean tensors a sweep of `site` writes."""
+    return [
+        clean_activation(backend, site, clean_cache, layer, batch, length)
+        for layer in range(backend.n_layers)
+    ]
+
+
 def sweep_tokens(backend: Backend, tokens: Any, what: str) -> torch.Tensor:
     """`tokens` checked as `[batch, pos]` token ids of `backend`'s model, on its device."""
     if isinstance(tokens, torch.Tensor) and tokens.dim() == 1:
@@ -281,14 +292,9 @@ def named_inputs(
 
     The adapter's site of `activation` (`Backend.patch_site`, which says why a family
     lacks one), the corrupted tokens (`sweep_tokens`), and each layer's clean tensor at
-    the site (`clean_activation`), after `clean_cache` is checked against the model.
+    the site (`clean_tensors`), after `clean_cache` is checked against the model.
     """
     site = backend.patch_site(activation, clean_cache)
     tokens = sweep_tokens(backend, corrupted_tokens, "corrupted_tokens")
     check_clean_cache(clean_cache, backend_sizes(backend), backend.clean_cache_call)
-    batch, length = tokens.shape
-    clean = [
-        clean_activation(backend, site, clean_cache, layer, batch, length)
-        for layer in range(backend.n_layers)
-    ]
-    return site, tokens, clean
+    return site, tokens, clean_tensors(backend, site, clean_cache, *tokens.shape)

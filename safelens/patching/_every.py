@@ -21,16 +21,16 @@ padded.
 Models: every sweep runs on its model family's runner (`safelens.patching._runners`), so
 a bundle takes what its sweeps take. A `HookedTransformer`, a TransformerBridge and a
 plain HuggingFace causal LM run all three bundles (on a HuggingFace model at the sites
-of `safelens.patching._hf_sites`; queries, keys and patterns as the attention function
-sees them). What differs on a bridge or HuggingFace model: the k and q rows patch keys
-and queries after the rotary embedding (at every position the same patch as
-TransformerLens' `attn.hook_k`), the pattern row is refused on a bridge whose attention
-does not use `hook_pattern` (see `safelens.patching._pattern_hook`), and the clean cache
-is `bridge.run_with_cache`'s; on a HuggingFace model it is
+its adapter declares, `safelens.backends.hf._sites`; queries, keys and patterns as the
+attention function sees them). What differs on a bridge or HuggingFace model: the k and
+q rows patch keys and queries after the rotary embedding (at every position the same
+patch as TransformerLens' `attn.hook_k`), the pattern row is refused on a bridge whose
+attention does not use `hook_pattern` (see `safelens.patching._pattern_hook`), and the
+clean cache is `bridge.run_with_cache`'s; on a HuggingFace model it is
 [`run_with_patching_cache`][safelens.run_with_patching_cache]'s. Whatever the model, the
 clean cache is checked for every activation the bundle patches before its first sweep
-runs (`safelens.patching._front.check_bundle`). This module imports nothing from TransformerLens, so
-it loads on TransformerLens 4.
+runs (`safelens.patching._front.check_bundle`). This module imports nothing from
+TransformerLens, so it loads on TransformerLens 4.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import torch
 
 from ..backends._sites import PATTERNS, QUERY_HEADS, TL_NAMES
 from ..core._errors import PatchingError
-from ._clean_cache import backend_sizes, check_clean_cache, clean_activation, sweep_tokens
+from ._clean_cache import backend_sizes, check_clean_cache, clean_tensors, sweep_tokens
 from ._engine import Run
 from ._index import check_index_choice, grid, index_grid
 from ._limits import Limits
@@ -230,8 +230,8 @@ def check_bundle(
         try:
             site = backend.patch_site(activation, clean_cache)
             for layer in range(backend.n_layers):
-                site.hook(layer)
-                clean_activation(backend, site, clean_cache, layer, *tokens.shape)
+                site.hook(layer)  # a seam the model lacks says so here
+            clean_tensors(backend, site, clean_cache, *tokens.shape)
         except PatchingError as error:
             raise PatchingError(
                 f"{bundle} stacks sweeps of {', '.join(activations)}, and cannot sweep "

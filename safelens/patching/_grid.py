@@ -129,17 +129,16 @@ class HookedPasses:
     """A sweep's passes on a `HookedTransformer` (`safelens.patching._engine.Passes`).
 
     Its corrupted run is done (`corrupted`); `patcher` writes each run's patch at
-    `hook_name(layer)`; `single_position`: each run's patch changes its own position
-    `run.pos` alone (a by-position sweep, not a user's setter), which lets some sites
-    skip work (see `safelens.patching._plan`). `site` and `seen` are what the idle check
-    reads (`None` and empty for a user's setter).
+    `hook_name(layer)`. `site` and `seen` are what the idle check reads (`None` and
+    empty for a user's setter). With a `site` and every run at one position, each run's
+    patch changes its own position `run.pos` alone (a by-position sweep), which lets
+    some sites skip work (see `safelens.patching._plan`).
     """
 
     model: HookedTransformer
     corrupted: CorruptedRun
     hook_name: Callable[[int], str]
     patcher: Patcher
-    single_position: bool
     site: Site | None
     seen: dict[int, torch.Tensor]
 
@@ -166,7 +165,7 @@ class HookedPasses:
             )
 
         last = cfg.n_layers - 1
-        single_position = self.single_position and all(run.pos is not None for run in runs)
+        single_position = self.site is not None and all(run.pos is not None for run in runs)
         activation = self.hook_name(last).removeprefix(f"blocks.{last}.")
         plan = Plan.of(model, activation, single_position, metric)
         patch = _Patch(self.hook_name, self.patcher)

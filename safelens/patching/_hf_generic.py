@@ -13,8 +13,8 @@ On a TransformerBridge the setter runs on the bridge's own hook points (so it se
 it sees under TransformerLens, keys before the rotary embedding included);
 `activation_name` must name a hook point inside every block (`blocks.{layer}.…`); a
 bridge whose attention ignores what `hook_pattern` returns is refused for patterns, as
-the pattern sweeps refuse it (`safelens.patching._pattern_hook`). On a
-plain HuggingFace model it runs at the site of `safelens.patching._hf_sites` for the
+the pattern sweeps refuse it (`safelens.patching._pattern_hook`). On a plain HuggingFace
+model it runs at the site its adapter declares (`safelens.backends.hf._sites`) for the
 activation `get_act_name` names (`q`, `k`, `v`, `z`, `pattern`, `attn_scores`,
 `resid_pre`, `resid_mid`, `resid_post`, `attn_out`, `mlp_out`), with the clean
 activation from [`run_with_patching_cache`][safelens.run_with_patching_cache]; both
@@ -40,7 +40,7 @@ from ._clean_cache import (
     axes_of,
     backend_sizes,
     check_clean_cache,
-    clean_activation,
+    clean_tensors,
     shape_error,
     sweep_tokens,
 )
@@ -148,10 +148,7 @@ def _hf_site(
             f"{', '.join(sorted(TL_NAMES))}, as get_act_name spells them"
         )
     site = backend.patch_site(activation, clean_cache)
-    clean = [
-        clean_activation(backend, site, clean_cache, layer, batch, length)
-        for layer in range(backend.n_layers)
-    ]
+    clean = clean_tensors(backend, site, clean_cache, batch, length)
     return dataclasses.replace(site, full=None), clean
 
 

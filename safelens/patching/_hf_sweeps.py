@@ -88,9 +88,9 @@ class SeamSweep:
 
     The front-end's `Prepared` (`safelens.patching._front`) on these families: the site,
     the tokens, each layer's clean tensor at the site, and the heads of a head index;
-    `run` scores the runs on `SeamPasses` (the engine's `run_passes`). With an `editor` (`generic_activation_patch`'s setter,
-    `safelens.patching._hf_generic`) each run runs every position, since its setter may
-    write any.
+    `run` scores the runs on `SeamPasses` (the engine's `run_passes`). With an `editor`
+    (`generic_activation_patch`'s setter, `safelens.patching._hf_generic`) each run
+    runs every position, since its setter may write any.
     """
 
     backend: Backend

@@ -86,9 +86,7 @@ class HookedSweep:
             patcher = _site_patcher(site, sweep.clean)
         else:
             patcher = self._setter_patcher(self.setter)
-        passes = HookedPasses(
-            sweep.model, sweep.corrupted, sweep.hook_name, patcher, site is not None, site, seen
-        )
+        passes = HookedPasses(sweep.model, sweep.corrupted, sweep.hook_name, patcher, site, seen)
         out = torch.zeros(shape, device=sweep.model.cfg.device)
         return run_passes(passes, sweep.clean, runs, out, metric, limits)
 

@@ -7,15 +7,14 @@ models included.
 
 Models: every family runs them as one front-end's named sweeps of the `pattern` site
 (`safelens.patching._front.pattern_sweep`: a run per [layer, dest_pos, src_pos, head],
-the axes the sweep has, head moved second), the numbers TransformerLens' pattern
-setters give on its `generic_activation_patch`. A row or entry patch at `dest_pos` runs
+the axes the sweep has, head moved second), the numbers TransformerLens' pattern setters
+give on its `generic_activation_patch`. A row or entry patch at `dest_pos` runs
 positions `dest_pos:` only, on the corrupted run's cache; a plain HuggingFace causal
 LM's pattern is patched inside its attention function (`safelens.backends.hf._seams`:
 the layer's attention computed eagerly, the patched pattern applied to the values). A
-call that
-changes one of TransformerLens' keywords is `generic_activation_patch`'s. This module
-imports nothing from TransformerLens until a `HookedTransformer` sweep runs, so it
-loads on TransformerLens 4, which removed `HookedTransformer`.
+call that changes one of TransformerLens' keywords is `generic_activation_patch`'s. This
+module imports nothing from TransformerLens until a `HookedTransformer` sweep runs, so
+it loads on TransformerLens 4, which removed `HookedTransformer`.
 
 Caveat: a pattern spans every key position, so a whole-head patch
 (`get_act_patch_attn_head_pattern_all_pos`) runs every position (the cost of a plain

@@ -1,16 +1,16 @@
 """The shortcuts a sweep on a `HookedTransformer` takes: its `Plan`.
 
-What a patched run may skip is `safelens.patching._skips`' (`Skips.of`, for both
-pass runners); here, what a `HookedTransformer` takes of it. Runs start at the layer of
-their patch (`start_at_layer`), several layers in one staggered pass
-(`safelens.patching._grid`).
-Positions before the patch are reused unless a layer attends both ways
-(`cfg.attention_dir`, or a layer's own override), or the patch spans every key
-position (not a by-position sweep's rows of the scores or pattern, `Skips.by_row`). For a metric of the last position, the last layer runs the last query alone
-through safelens' attention path (`attn.hook_q` trimmed) and the MLP the last position
-alone (`hook_resid_mid` trimmed). The single-position shortcut is not taken with dynamic
-NTK rotary (`cfg.use_dynamic_ntk_rope`), whose rotation depends on how many positions a
-pass holds. The runs entering a layer map their attention inputs once
+What a patched run may skip is `safelens.patching._skips`' (`Skips.of`, for both pass
+runners); here, what a `HookedTransformer` takes of it. Runs start at the layer of their
+patch (`start_at_layer`), several layers in one staggered pass
+(`safelens.patching._grid`). Positions before the patch are reused unless a layer
+attends both ways (`cfg.attention_dir`, or a layer's own override), or the patch spans
+every key position (not a by-position sweep's rows of the scores or pattern,
+`Skips.by_row`). For a metric of the last position, the last layer runs the last query
+alone through safelens' attention path (`attn.hook_q` trimmed) and the MLP the last
+position alone (`hook_resid_mid` trimmed). The single-position shortcut is not taken
+with dynamic NTK rotary (`cfg.use_dynamic_ntk_rope`), whose rotation depends on how many
+positions a pass holds. The runs entering a layer map their attention inputs once
 ([`shared_inputs`][safelens.backends.hooked._shared_attention.shared_inputs]) when the
 patch sits after those maps.
 
